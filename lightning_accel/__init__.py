@@ -1,0 +1,40 @@
+"""lightning_accel: Hugging Face Accelerate's model of distributed training inside PyTorch Lightning.
+
+Importing the package registers every ``acc_*`` strategy name in both the Trainer's and Fabric's strategy registries
+(and accelerators for devices Lightning has none for), so ``Trainer(strategy="acc_multi_cpu")`` works right after
+``import lightning_accel``. Heavy optional backends (deepspeed, wandb, torchao, transformer_engine, torch_xla) are
+imported only when a feature that needs them is used.
+"""
+
+from lightning_accel.accelerators import register_accelerators
+from lightning_accel.config import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
+from lightning_accel.enums import DDPCommunicationHookType, DistributedType, PrecisionType
+from lightning_accel.strategies import register_strategies, strategy_for
+
+__version__ = "0.1.0"
+
+register_accelerators()
+register_strategies()
+
+__all__ = [
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "PrecisionType",
+    "__version__",
+    "strategy_for",
+]

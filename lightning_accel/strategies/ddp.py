@@ -1,0 +1,168 @@
+"""Data-parallel strategies (``acc_multi_cpu``, ``acc_multi_gpu``, ``acc_multi_npu``, ..., ``acc_ddp``).
+
+The behaviour lives in :class:`~lightning_accel.strategies.ddp_core.DDPFamily`; the two classes here adapt it to the
+Trainer's and Fabric's ``DDPStrategy``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.strategies import DDPStrategy as _FabricDDPStrategy
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import Precision
+from lightning.pytorch.strategies import DDPStrategy as _TrainerDDPStrategy
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.ddp_core import DDPFamily
+
+_StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class AcceleratedDDPStrategy(_TrainerDDPStrategy):
+    """Trainer strategy for one process per device, gradients averaged by ``DistributedDataParallel``.
+
+    Args:
+        distributed_type: The Accelerate type (``MULTI_CPU``, ``MULTI_GPU``, ``MULTI_NPU``, ...). ``None`` derives it
+            from the accelerator's devices.
+        ddp_kwargs: Arguments for ``DistributedDataParallel`` and the communication hook to register.
+        init_kwargs: Process-group options (collective backend, init method, timeout).
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        parallel_devices: Passed to Lightning.
+        cluster_environment: Passed to Lightning.
+        checkpoint_io: Passed to Lightning.
+        precision_plugin: Passed to Lightning.
+        start_method: How processes start: ``"popen"`` re-runs the script, the others use ``torch.multiprocessing``.
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_accel.utils import DistributedDataParallelKwargs
+        >>> trainer = L.Trainer(  # doctest: +SKIP
+        ...     accelerator="cpu",
+        ...     devices=2,
+        ...     strategy=AcceleratedDDPStrategy("MULTI_CPU", ddp_kwargs=DistributedDataParallelKwargs(comm_hook="fp16")),
+        ... )
+    """
+
+    def __init__(
+        self,
+        distributed_type: DistributedType | str | None = None,
+        *,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        strategy_name: str = "acc_ddp",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        start_method: _StartMethod = "popen",
+    ) -> None:
+        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            timeout=self._family.timeout,
+            start_method=start_method,
+            **self._family.torch_ddp_kwargs(),
+        )
+
+    @property
+    def distributed_type(self) -> DistributedType | None:
+        """The Accelerate type this strategy runs (known once the devices are)."""
+        return self._family.distributed_type
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._family.check_devices(self.parallel_devices)
+        super()._configure_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        self._family.init_process_group(self.cluster_environment, self._process_group_backend, self.root_device)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._family.collective_backend(self.root_device)
+
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        return self._family.wrap(model, self.determine_ddp_device_ids())
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """Hooks are registered by :meth:`_setup_model` on every device type (Lightning limits them to CUDA)."""
+
+
+class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
+    """Fabric twin of :class:`AcceleratedDDPStrategy`; takes the same arguments (``precision`` instead of
+    ``precision_plugin``)."""
+
+    def __init__(
+        self,
+        distributed_type: DistributedType | str | None = None,
+        *,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        strategy_name: str = "acc_ddp",
+        accelerator: FabricAccelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: FabricPrecision | None = None,
+        start_method: _StartMethod = "popen",
+    ) -> None:
+        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            timeout=self._family.timeout,
+            start_method=start_method,
+            **self._family.torch_ddp_kwargs(),
+        )
+
+    @property
+    def distributed_type(self) -> DistributedType | None:
+        """The Accelerate type this strategy runs (known once the devices are)."""
+        return self._family.distributed_type
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._family.check_devices(self.parallel_devices)
+        super()._configure_launcher()
+
+    @override
+    def _setup_distributed(self) -> None:
+        self._set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        self._family.init_process_group(self.cluster_environment, self._process_group_backend, self.root_device)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._family.collective_backend(self.root_device)
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        return self._family.wrap(module, self._determine_ddp_device_ids())

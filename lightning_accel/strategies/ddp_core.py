@@ -1,0 +1,207 @@
+"""The behaviour of the DDP family, written once and used by both the Trainer and the Fabric strategies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from lightning_accel.enums import DDPCommunicationHookType, DistributedType
+from lightning_accel.strategies.devices import (
+    DeviceBackend,
+    backend_for_device,
+    backend_for_type,
+    default_collective_backend,
+    import_collective_backend,
+)
+
+_COMM_HOOK_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option")
+# Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
+_CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
+
+
+class DDPFamily:
+    """Process group, wrapping and communication hooks of one data-parallel strategy.
+
+    Args:
+        strategy_name: The registered name, used in error messages.
+        distributed_type: The Accelerate type, or ``None`` to derive it from the device the strategy is given
+            (``cpu`` gives ``MULTI_CPU``, ``cuda`` gives ``MULTI_GPU``, and so on).
+        ddp_kwargs: How to build ``DistributedDataParallel`` and which communication hook to register.
+        init_kwargs: How to create the process group (backend, init method, timeout).
+    """
+
+    def __init__(
+        self,
+        strategy_name: str,
+        distributed_type: DistributedType | str | None,
+        ddp_kwargs: DistributedDataParallelKwargs | None,
+        init_kwargs: InitProcessGroupKwargs | None,
+    ) -> None:
+        self.strategy_name = strategy_name
+        self.ddp_kwargs = _check_instance(ddp_kwargs, DistributedDataParallelKwargs, "ddp_kwargs")
+        self.init_kwargs = _check_instance(init_kwargs, InitProcessGroupKwargs, "init_kwargs")
+        self.backend: DeviceBackend | None = None
+        if distributed_type is not None:
+            self.backend = backend_for_type(_parse_distributed_type(distributed_type))
+            self.backend.require_extension(strategy_name)
+
+    @property
+    def distributed_type(self) -> DistributedType | None:
+        """The Accelerate type, once known."""
+        return None if self.backend is None else self.backend.distributed_type
+
+    @property
+    def timeout(self) -> timedelta:
+        """The process-group timeout: ``init_kwargs.timeout`` or Lightning's default."""
+        return self.init_kwargs.timeout if self.init_kwargs.timeout is not None else default_pg_timeout
+
+    def torch_ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``DistributedDataParallel`` (only those the user changed)."""
+        return {k: v for k, v in self.ddp_kwargs.to_kwargs().items() if k not in _COMM_HOOK_FIELDS}
+
+    def check_devices(self, devices: Sequence[torch.device] | None) -> None:
+        """Check that the devices Lightning chose fit this strategy; derive the type for ``acc_ddp``.
+
+        Raises:
+            ValueError: If the devices are of another type than the strategy's, or the collective backend cannot
+                serve them.
+        """
+        if not devices:
+            return
+        device_type = devices[0].type
+        if self.backend is None:
+            self.backend = backend_for_device(device_type)
+            self.backend.require_extension(self.strategy_name)
+        elif device_type != self.backend.device_type:
+            raise ValueError(
+                f"Strategy {self.strategy_name!r} trains on {self.backend.device_type!r} devices, but the accelerator"
+                f" gives {device_type!r} devices. Pass `accelerator={_accelerator_flag(self.backend.device_type)!r}`,"
+                f" or pick the strategy for {device_type!r} (`strategy='acc_ddp'` chooses it from the accelerator)."
+            )
+        requested = self._requested_collective()
+        if device_type == "cpu" and requested is not None and requested not in _CPU_COLLECTIVES:
+            raise ValueError(
+                f"InitProcessGroupKwargs(backend={requested!r}) cannot run on CPU devices; use one of"
+                f" {', '.join(_CPU_COLLECTIVES)} (or leave `backend` unset to get gloo)."
+            )
+        self._check_comm_hook(device_type)
+
+    def collective_backend(self, root_device: torch.device) -> str:
+        """The ``torch.distributed`` backend: the one requested in ``init_kwargs``, else the device's default."""
+        requested = self._requested_collective()
+        if requested is not None:
+            return requested
+        backend = self.backend or backend_for_device(root_device.type)
+        return default_collective_backend(backend)
+
+    def init_process_group(self, cluster_environment: ClusterEnvironment, collective: str, root_device: torch.device) -> None:
+        """Create the default process group (a no-op if one exists), importing the device extension first."""
+        if self.backend is not None:
+            self.backend.import_extension()
+        import_collective_backend(collective)
+        _init_dist_connection(cluster_environment, collective, **self.process_group_kwargs(root_device))
+
+    def process_group_kwargs(self, root_device: torch.device) -> dict[str, Any]:
+        """Keyword arguments for ``torch.distributed.init_process_group`` besides backend, rank and world size."""
+        kwargs: dict[str, Any] = {"timeout": self.timeout}
+        if root_device.type != "cpu":
+            kwargs["device_id"] = root_device
+        if self.init_kwargs.init_method is not None:
+            kwargs["init_method"] = self.init_kwargs.init_method
+        return kwargs
+
+    def wrap(self, module: Module, device_ids: list[int] | None) -> DistributedDataParallel:
+        """Wrap ``module`` in ``DistributedDataParallel`` and register the configured communication hook."""
+        # Building DDP on a side stream avoids touching the default CUDA stream (as Lightning does).
+        on_cuda = device_ids is not None and self.backend is not None and self.backend.device_type == "cuda"
+        with torch.cuda.stream(torch.cuda.Stream()) if on_cuda else nullcontext():
+            ddp = DistributedDataParallel(module, device_ids=device_ids, **self.torch_ddp_kwargs())
+        self._register_comm_hook(ddp)
+        return ddp
+
+    def _requested_collective(self) -> str | None:
+        return self.init_kwargs.to_kwargs().get("backend")
+
+    def _check_comm_hook(self, device_type: str) -> None:
+        bf16 = DDPCommunicationHookType.BF16
+        if device_type == "cpu" and bf16 in (self.ddp_kwargs.comm_hook, self.ddp_kwargs.comm_wrapper):
+            raise ValueError(
+                "DistributedDataParallelKwargs(comm_hook/comm_wrapper='bf16') needs NCCL on CUDA (or XCCL on XPU);"
+                " torch refuses it on CPU. Use 'fp16' or 'power_sgd' on CPU."
+            )
+
+    def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
+        hook = _comm_hook(self.ddp_kwargs.comm_hook)
+        if hook is None:
+            if self.ddp_kwargs.comm_wrapper != DDPCommunicationHookType.NO:
+                raise ValueError(
+                    f"DistributedDataParallelKwargs(comm_wrapper={self.ddp_kwargs.comm_wrapper.value!r}) wraps a"
+                    " communication hook, but comm_hook is 'no'. Set comm_hook (e.g. 'power_sgd') or drop the wrapper."
+                )
+            return
+        wrapper = _comm_wrapper(self.ddp_kwargs.comm_wrapper)
+        if wrapper is not None:
+            hook = wrapper(hook)
+        state: Any = None
+        if self.ddp_kwargs.comm_hook in (
+            DDPCommunicationHookType.POWER_SGD,
+            DDPCommunicationHookType.BATCHED_POWER_SGD,
+        ):
+            from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+            state = PowerSGDState(process_group=None, **self.ddp_kwargs.comm_state_option)
+        ddp.register_comm_hook(state=state, hook=hook)
+
+
+def _comm_hook(kind: DDPCommunicationHookType) -> Callable[..., Any] | None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hooks: dict[DDPCommunicationHookType, Callable[..., Any]] = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+    }
+    return hooks.get(kind)
+
+
+def _comm_wrapper(kind: DDPCommunicationHookType) -> Callable[..., Any] | None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    wrappers: dict[DDPCommunicationHookType, Callable[..., Any]] = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
+    }
+    return wrappers.get(kind)
+
+
+def _parse_distributed_type(value: DistributedType | str) -> DistributedType:
+    if isinstance(value, DistributedType):
+        return value
+    try:
+        return DistributedType(str(value).upper())
+    except ValueError:
+        allowed = ", ".join(t.value for t in DistributedType)
+        raise ValueError(f"Unknown distributed_type {value!r}; expected one of {allowed}.") from None
+
+
+def _check_instance(value: Any, cls: type, name: str) -> Any:
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"`{name}` must be a {cls.__name__}, got {type(value).__name__}: {value!r}.")
+    return value
+
+
+def _accelerator_flag(device_type: str) -> str:
+    return "gpu" if device_type == "cuda" else device_type

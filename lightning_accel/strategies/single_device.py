@@ -1,0 +1,101 @@
+"""``acc_no``: one process on one device (Accelerate's ``DistributedType.NO``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.strategies import SingleDeviceStrategy as _FabricSingleDeviceStrategy
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy as _TrainerSingleDeviceStrategy
+from typing_extensions import override
+
+from lightning_accel.enums import DistributedType
+
+
+def _pick_device(strategy_name: str, explicit: torch.device | None, devices: Sequence[torch.device] | None) -> torch.device:
+    """The device to train on: the one passed explicitly, else the single device Lightning selected."""
+    if explicit is not None:
+        return explicit
+    if not devices:
+        return torch.device("cpu")
+    if len(devices) > 1:
+        raise ValueError(
+            f"Strategy {strategy_name!r} trains one process on one device, but {len(devices)} devices were requested"
+            f" ({', '.join(str(d) for d in devices)}). Pass `devices=1`, or use `strategy='acc_ddp'` for one process"
+            " per device."
+        )
+    return devices[0]
+
+
+class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
+    """Trainer strategy for one process on one device: cpu, cuda, mps or whichever device the accelerator gives.
+
+    Args:
+        device: The device to use. ``None`` takes the device the Trainer's ``accelerator``/``devices`` select.
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        checkpoint_io: Passed to Lightning.
+        precision_plugin: Passed to Lightning.
+    """
+
+    distributed_type = DistributedType.NO
+
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        *,
+        strategy_name: str = "acc_no",
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            device="cpu" if device is None else device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._strategy_name = strategy_name
+        self._explicit_device = None if device is None else self._root_device
+        # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
+        self.parallel_devices: list[torch.device] | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
+        super()._configure_launcher()
+
+
+class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
+    """Fabric twin of :class:`AcceleratedSingleDeviceStrategy` (``precision`` instead of ``precision_plugin``)."""
+
+    distributed_type = DistributedType.NO
+
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        *,
+        strategy_name: str = "acc_no",
+        accelerator: FabricAccelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: FabricPrecision | None = None,
+    ) -> None:
+        super().__init__(
+            device="cpu" if device is None else device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._strategy_name = strategy_name
+        self._explicit_device = None if device is None else self._root_device
+        self.parallel_devices: list[torch.device] | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
+        super()._configure_launcher()

@@ -1,0 +1,73 @@
+"""Shared helpers for tests: free ports, a clean environment and a 2-process launcher with a timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).parent.parent
+
+# Variables that a launcher (torchrun, SLURM, an earlier test) may leave behind and that would make Lightning believe
+# it runs inside an existing distributed job.
+_DISTRIBUTED_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_NAME",
+    "PL_GLOBAL_SEED",
+)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without distributed-launch variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS and not k.startswith("ACCELERATE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_python(args: list[str], timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python <args>`` in a clean environment; fail with its output if it fails or times out."""
+    cmd = [sys.executable, *args]
+    try:
+        proc = subprocess.run(cmd, env=clean_env(**extra_env), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{err.stdout}\n{err.stderr}") from err
+    if proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited with {proc.returncode}:\n{proc.stdout[-5000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Start ``nproc`` copies of ``tests/scripts/<script>`` with ``torch.distributed.run`` on a free loopback port."""
+    return run_python(
+        [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(SCRIPTS / script),
+            *args,
+        ],
+        timeout=timeout,
+    )
