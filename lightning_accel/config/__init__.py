@@ -1,0 +1,34 @@
+"""Configuration dataclasses with Accelerate 1.15's names, fields and defaults.
+
+They are plain data: they validate their fields in ``__post_init__`` and never read environment variables.
+"""
+
+from lightning_accel.config.deepspeed import DeepSpeedPlugin
+from lightning_accel.config.dynamo import TorchDynamoPlugin
+from lightning_accel.config.fsdp import FullyShardedDataParallelPlugin
+from lightning_accel.config.kwargs import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+)
+from lightning_accel.config.megatron import MegatronLMPlugin
+from lightning_accel.config.project import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+from lightning_accel.config.quantization import BnbQuantizationConfig
+
+__all__ = [
+    "AutocastKwargs",
+    "BnbQuantizationConfig",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "MegatronLMPlugin",
+    "ProjectConfiguration",
+    "TorchDynamoPlugin",
+]
