@@ -10,6 +10,7 @@ are noisy: compare the printed ratios, never absolute times across runs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 import warnings
@@ -37,7 +38,7 @@ def make_loader(steps: int) -> DataLoader:
 
 
 def step_times(stamps: list[float], warmup: int) -> list[float]:
-    deltas = [b - a for a, b in zip(stamps, stamps[1:])]
+    deltas = [b - a for a, b in itertools.pairwise(stamps)]
     return deltas[warmup:]
 
 

@@ -26,10 +26,10 @@ NUM_FEATURES = 32
 
 def synthetic_split(samples: int, seed: int) -> TensorDataset:
     """Gaussian blobs around fixed class centres: learnable, but not in one step."""
-    centres = torch.randn(NUM_CLASSES, NUM_FEATURES, generator=torch.Generator().manual_seed(0)) * 1.5
+    centres = torch.randn(NUM_CLASSES, NUM_FEATURES, generator=torch.Generator().manual_seed(0)) * 1.0
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, NUM_CLASSES, (samples,), generator=g)
-    features = centres[labels] + torch.randn(samples, NUM_FEATURES, generator=g) * 2.0
+    features = centres[labels] + torch.randn(samples, NUM_FEATURES, generator=g) * 2.5
     return TensorDataset(features, labels)
 
 

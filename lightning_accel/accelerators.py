@@ -47,7 +47,7 @@ class TorchDeviceAccelerator(Accelerator):
 
     @classmethod
     @override
-    def parse_devices(cls, devices: int | str | list[int]) -> list[int]:  # type: ignore[override]
+    def parse_devices(cls, devices: int | str | list[int]) -> list[int]:
         """Turn ``devices`` (a count, ``"auto"``/``-1`` for all, or a list of indices) into device indices."""
         if isinstance(devices, list):
             return devices
@@ -58,24 +58,24 @@ class TorchDeviceAccelerator(Accelerator):
 
     @classmethod
     @override
-    def get_parallel_devices(cls, devices: list[int]) -> list[torch.device]:  # type: ignore[override]
+    def get_parallel_devices(cls, devices: list[int]) -> list[torch.device]:
         return [torch.device(cls.device_type, i) for i in devices]
 
     @classmethod
     @override
-    def auto_device_count(cls) -> int:  # type: ignore[override]
+    def auto_device_count(cls) -> int:
         return int(cls._module().device_count())
 
     @classmethod
     @override
-    def is_available(cls) -> bool:  # type: ignore[override]
+    def is_available(cls) -> bool:
         if BACKEND_BY_DEVICE[cls.device_type].extension_missing():
             return False
         return bool(cls._module().is_available())
 
     @classmethod
     @override
-    def name(cls) -> str:  # type: ignore[override]
+    def name(cls) -> str:
         return cls.device_type
 
     @override

@@ -80,7 +80,9 @@ def test_power_sgd_hook_approximates_gradients_after_its_start_iteration(
     hooked, plain = results["acc_power_sgd"], results["ddp"]
     assert [r["comm_hooks"] for r in hooked] == [1, 1]
     # PowerSGD all-reduces exactly (here in fp16, through the wrapper) until start_powerSGD_iter=2, then compresses.
-    torch.testing.assert_close(torch.tensor(hooked[0]["losses"][:3]), torch.tensor(plain[0]["losses"][:3]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(hooked[0]["losses"][:3]), torch.tensor(plain[0]["losses"][:3]), atol=1e-4, rtol=0
+    )
     assert abs(hooked[0]["losses"][-1] - plain[0]["losses"][-1]) > 1e-3
     for key, value in hooked[0]["weights"].items():
         assert torch.equal(value, hooked[1]["weights"][key]), key

@@ -199,9 +199,9 @@ def _fit_one_process(strategy: str) -> _Tiny:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
     module = _Tiny()
-    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, enable_model_summary=False, **TRAINER_FLAGS).fit(
-        module, DataLoader(data, batch_size=16, shuffle=True)
-    )
+    L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, enable_model_summary=False, **TRAINER_FLAGS
+    ).fit(module, DataLoader(data, batch_size=16, shuffle=True))
     return module
 
 
@@ -209,7 +209,7 @@ def test_acc_no_trains_exactly_like_lightning_single_device() -> None:
     ours, theirs = _fit_one_process("acc_no"), _fit_one_process("single_device")
     assert len(ours.losses) == 8
     assert ours.losses == theirs.losses
-    for (name, a), b in zip(ours.net.state_dict().items(), theirs.net.state_dict().values()):
+    for (name, a), b in zip(ours.net.state_dict().items(), theirs.net.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 

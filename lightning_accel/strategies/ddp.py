@@ -49,8 +49,11 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
         >>> trainer = L.Trainer(  # doctest: +SKIP
         ...     accelerator="cpu",
         ...     devices=2,
-        ...     strategy=AcceleratedDDPStrategy("MULTI_CPU", ddp_kwargs=DistributedDataParallelKwargs(comm_hook="fp16")),
+        ...     strategy=AcceleratedDDPStrategy(
+        ...         "MULTI_CPU", ddp_kwargs=DistributedDataParallelKwargs(comm_hook="fp16")
+        ...     ),
         ... )
+
     """
 
     def __init__(
@@ -113,8 +116,10 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
 
 
 class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
-    """Fabric twin of :class:`AcceleratedDDPStrategy`; takes the same arguments (``precision`` instead of
-    ``precision_plugin``)."""
+    """Fabric twin of :class:`AcceleratedDDPStrategy`.
+
+    It takes the same arguments, with ``precision`` instead of ``precision_plugin``.
+    """
 
     def __init__(
         self,

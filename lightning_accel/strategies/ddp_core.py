@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
@@ -24,7 +24,6 @@ from lightning_accel.strategies.devices import (
     import_collective_backend,
 )
 
-_COMM_HOOK_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option")
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
 
@@ -38,6 +37,7 @@ class DDPFamily:
             (``cpu`` gives ``MULTI_CPU``, ``cuda`` gives ``MULTI_GPU``, and so on).
         ddp_kwargs: How to build ``DistributedDataParallel`` and which communication hook to register.
         init_kwargs: How to create the process group (backend, init method, timeout).
+
     """
 
     def __init__(
@@ -67,7 +67,7 @@ class DDPFamily:
 
     def torch_ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``DistributedDataParallel`` (only those the user changed)."""
-        return {k: v for k, v in self.ddp_kwargs.to_kwargs().items() if k not in _COMM_HOOK_FIELDS}
+        return self.ddp_kwargs.to_kwargs()
 
     def check_devices(self, devices: Sequence[torch.device] | None) -> None:
         """Check that the devices Lightning chose fit this strategy; derive the type for ``acc_ddp``.
@@ -75,6 +75,7 @@ class DDPFamily:
         Raises:
             ValueError: If the devices are of another type than the strategy's, or the collective backend cannot
                 serve them.
+
         """
         if not devices:
             return
@@ -104,7 +105,9 @@ class DDPFamily:
         backend = self.backend or backend_for_device(root_device.type)
         return default_collective_backend(backend)
 
-    def init_process_group(self, cluster_environment: ClusterEnvironment, collective: str, root_device: torch.device) -> None:
+    def init_process_group(
+        self, cluster_environment: ClusterEnvironment, collective: str, root_device: torch.device
+    ) -> None:
         """Create the default process group (a no-op if one exists), importing the device extension first."""
         if self.backend is not None:
             self.backend.import_extension()
@@ -126,7 +129,7 @@ class DDPFamily:
         on_cuda = device_ids is not None and self.backend is not None and self.backend.device_type == "cuda"
         with torch.cuda.stream(torch.cuda.Stream()) if on_cuda else nullcontext():
             ddp = DistributedDataParallel(module, device_ids=device_ids, **self.torch_ddp_kwargs())
-        self._register_comm_hook(ddp)
+        self.ddp_kwargs.register_comm_hook(ddp)
         return ddp
 
     def _requested_collective(self) -> str | None:
@@ -139,50 +142,6 @@ class DDPFamily:
                 "DistributedDataParallelKwargs(comm_hook/comm_wrapper='bf16') needs NCCL on CUDA (or XCCL on XPU);"
                 " torch refuses it on CPU. Use 'fp16' or 'power_sgd' on CPU."
             )
-
-    def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
-        hook = _comm_hook(self.ddp_kwargs.comm_hook)
-        if hook is None:
-            if self.ddp_kwargs.comm_wrapper != DDPCommunicationHookType.NO:
-                raise ValueError(
-                    f"DistributedDataParallelKwargs(comm_wrapper={self.ddp_kwargs.comm_wrapper.value!r}) wraps a"
-                    " communication hook, but comm_hook is 'no'. Set comm_hook (e.g. 'power_sgd') or drop the wrapper."
-                )
-            return
-        wrapper = _comm_wrapper(self.ddp_kwargs.comm_wrapper)
-        if wrapper is not None:
-            hook = wrapper(hook)
-        state: Any = None
-        if self.ddp_kwargs.comm_hook in (
-            DDPCommunicationHookType.POWER_SGD,
-            DDPCommunicationHookType.BATCHED_POWER_SGD,
-        ):
-            from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
-
-            state = PowerSGDState(process_group=None, **self.ddp_kwargs.comm_state_option)
-        ddp.register_comm_hook(state=state, hook=hook)
-
-
-def _comm_hook(kind: DDPCommunicationHookType) -> Callable[..., Any] | None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    hooks: dict[DDPCommunicationHookType, Callable[..., Any]] = {
-        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
-        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
-        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
-        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
-    }
-    return hooks.get(kind)
-
-
-def _comm_wrapper(kind: DDPCommunicationHookType) -> Callable[..., Any] | None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    wrappers: dict[DDPCommunicationHookType, Callable[..., Any]] = {
-        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
-        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
-    }
-    return wrappers.get(kind)
 
 
 def _parse_distributed_type(value: DistributedType | str) -> DistributedType:

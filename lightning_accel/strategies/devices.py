@@ -26,6 +26,7 @@ class DeviceBackend:
         collective_backend: The ``torch.distributed`` backend used between processes.
         extension: The module that adds the device (and its backend) to torch, or ``None`` if torch has it built in.
         install_hint: What to install when the extension (or a torch build with the device) is missing.
+
     """
 
     distributed_type: DistributedType
@@ -52,6 +53,7 @@ class DeviceBackend:
 
         Raises:
             ModuleNotFoundError: If the extension cannot be imported; the message says what to install.
+
         """
         if not self.extension_missing():
             return
@@ -106,6 +108,7 @@ def backend_for_type(distributed_type: DistributedType) -> DeviceBackend:
 
     Raises:
         ValueError: If ``distributed_type`` is not a data-parallel (DDP family) type.
+
     """
     try:
         return BACKEND_BY_TYPE[distributed_type]
@@ -122,6 +125,7 @@ def backend_for_device(device_type: str) -> DeviceBackend:
 
     Raises:
         ValueError: If no data-parallel strategy covers that device type.
+
     """
     try:
         return BACKEND_BY_DEVICE[device_type]

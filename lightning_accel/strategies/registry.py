@@ -35,6 +35,7 @@ class StrategyEntry:
         description: One line shown by Lightning's registries.
         distributed_type: The Accelerate type the name stands for, or ``None`` for names that derive it (``acc_ddp``).
         init_params: Constructor arguments the name fixes.
+
     """
 
     name: str
@@ -57,6 +58,7 @@ def add_entry(entry: StrategyEntry) -> None:
 
     Raises:
         ValueError: If the name is taken by another entry.
+
     """
     existing = _ENTRIES.get(entry.name)
     if existing is not None and existing != entry:
@@ -93,6 +95,7 @@ def strategy_for(distributed_type: DistributedType | str, *, fabric: bool = Fals
 
     Raises:
         ValueError: If the type is unknown, or no strategy for it exists yet.
+
     """
     entry = entry_for(distributed_type)
     cls = entry.fabric_cls if fabric else entry.trainer_cls
@@ -104,6 +107,7 @@ def entry_for(distributed_type: DistributedType | str) -> StrategyEntry:
 
     Raises:
         ValueError: If the type is unknown, or no strategy for it exists yet.
+
     """
     try:
         wanted = DistributedType(distributed_type.upper() if isinstance(distributed_type, str) else distributed_type)

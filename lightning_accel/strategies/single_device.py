@@ -17,7 +17,9 @@ from typing_extensions import override
 from lightning_accel.enums import DistributedType
 
 
-def _pick_device(strategy_name: str, explicit: torch.device | None, devices: Sequence[torch.device] | None) -> torch.device:
+def _pick_device(
+    strategy_name: str, explicit: torch.device | None, devices: Sequence[torch.device] | None
+) -> torch.device:
     """The device to train on: the one passed explicitly, else the single device Lightning selected."""
     if explicit is not None:
         return explicit
@@ -41,6 +43,7 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
         accelerator: Passed to Lightning.
         checkpoint_io: Passed to Lightning.
         precision_plugin: Passed to Lightning.
+
     """
 
     distributed_type = DistributedType.NO
