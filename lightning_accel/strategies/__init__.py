@@ -1,5 +1,10 @@
-"""Lightning strategies for every Accelerate ``DistributedType`` that lightning_accel implements."""
+"""Lightning strategies for every Accelerate ``DistributedType`` that lightning_accel implements.
 
+Each family module (``single_device``, ``ddp``, ...) lists its names in ``ENTRIES``; importing this package adds them
+to the name table, and :func:`register_strategies` copies the table into Lightning's registries.
+"""
+
+from lightning_accel.strategies import ddp, single_device
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.registry import (
     StrategyEntry,
@@ -13,6 +18,10 @@ from lightning_accel.strategies.single_device import (
     AcceleratedSingleDeviceStrategy,
     FabricAcceleratedSingleDeviceStrategy,
 )
+
+for _family in (single_device, ddp):
+    for _entry in _family.ENTRIES:
+        add_entry(_entry)
 
 __all__ = [
     "AcceleratedDDPStrategy",

@@ -23,6 +23,8 @@ from typing_extensions import override
 from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp_core import DDPFamily
+from lightning_accel.strategies.devices import BACKEND_BY_TYPE
+from lightning_accel.strategies.registry import StrategyEntry
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -171,3 +173,27 @@ class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         return self._family.wrap(module, self._determine_ddp_device_ids())
+
+
+def _entries() -> tuple[StrategyEntry, ...]:
+    per_type = tuple(
+        StrategyEntry(
+            f"acc_{dt.value.lower()}",
+            AcceleratedDDPStrategy,
+            FabricAcceleratedDDPStrategy,
+            f"DistributedDataParallel on {b.device_type} devices over {b.collective_backend} ({dt.value})",
+            dt,
+            {"distributed_type": dt},
+        )
+        for dt, b in BACKEND_BY_TYPE.items()
+    )
+    derived = StrategyEntry(
+        "acc_ddp",
+        AcceleratedDDPStrategy,
+        FabricAcceleratedDDPStrategy,
+        "DistributedDataParallel on the accelerator's devices (MULTI_CPU, MULTI_GPU, ...)",
+    )
+    return (*per_type, derived)
+
+
+ENTRIES = _entries()

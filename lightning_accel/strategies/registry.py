@@ -16,12 +16,6 @@ from lightning.fabric.strategies import Strategy as FabricStrategy
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.devices import BACKEND_BY_TYPE
-from lightning_accel.strategies.single_device import (
-    AcceleratedSingleDeviceStrategy,
-    FabricAcceleratedSingleDeviceStrategy,
-)
 
 
 @dataclass(frozen=True)
@@ -114,46 +108,10 @@ def entry_for(distributed_type: DistributedType | str) -> StrategyEntry:
     except ValueError:
         allowed = ", ".join(t.value for t in DistributedType)
         raise ValueError(f"Unknown distributed type {distributed_type!r}; expected one of {allowed}.") from None
-    for entry in _ENTRIES.values():
+    for entry in _ENTRIES.values():  # the first entry of a type is its canonical name
         if entry.distributed_type == wanted:
             return entry
     available = ", ".join(e.distributed_type.value for e in _ENTRIES.values() if e.distributed_type is not None)
     raise ValueError(
         f"lightning_accel has no strategy for DistributedType.{wanted.value} yet; available types: {available}."
     )
-
-
-def _ddp_entries() -> list[StrategyEntry]:
-    found = [
-        StrategyEntry(
-            f"acc_{dt.value.lower()}",
-            AcceleratedDDPStrategy,
-            FabricAcceleratedDDPStrategy,
-            f"DistributedDataParallel on {b.device_type} devices over {b.collective_backend} ({dt.value})",
-            dt,
-            {"distributed_type": dt},
-        )
-        for dt, b in BACKEND_BY_TYPE.items()
-    ]
-    found.append(
-        StrategyEntry(
-            "acc_ddp",
-            AcceleratedDDPStrategy,
-            FabricAcceleratedDDPStrategy,
-            "DistributedDataParallel on the accelerator's devices (MULTI_CPU, MULTI_GPU, ...)",
-        )
-    )
-    return found
-
-
-add_entry(
-    StrategyEntry(
-        "acc_no",
-        AcceleratedSingleDeviceStrategy,
-        FabricAcceleratedSingleDeviceStrategy,
-        "One process on one device (cpu, cuda, mps, ...) (NO)",
-        DistributedType.NO,
-    )
-)
-for _entry in _ddp_entries():
-    add_entry(_entry)

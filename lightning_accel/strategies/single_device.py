@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy as _TrainerSingleD
 from typing_extensions import override
 
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.registry import StrategyEntry
 
 
 def _pick_device(
@@ -102,3 +103,14 @@ class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
     def _configure_launcher(self) -> None:
         self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
         super()._configure_launcher()
+
+
+ENTRIES = (
+    StrategyEntry(
+        "acc_no",
+        AcceleratedSingleDeviceStrategy,
+        FabricAcceleratedSingleDeviceStrategy,
+        "One process on one device (cpu, cuda, mps, ...) (NO)",
+        DistributedType.NO,
+    ),
+)
