@@ -1,0 +1,312 @@
+"""``acc_fsdp``: fully sharded data parallel (FSDP1 or FSDP2) on CPU or GPU, for the Trainer and Fabric.
+
+The FSDP behaviour lives in :class:`~lightning_accel.strategies.fsdp_core.FSDPFamily`; process groups, devices and
+launching come from the DDP family these classes extend (which runs on CPU, unlike Lightning's own ``fsdp``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins import Precision
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
+from lightning_accel.strategies.fsdp_core import FSDPFamily
+from lightning_accel.strategies.registry import StrategyEntry
+
+_StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
+    """Trainer strategy that shards parameters, gradients and optimizer state across processes.
+
+    Args:
+        fsdp_plugin: Accelerate's FSDP settings (version, resharding, auto-wrap policy, offload, mixed precision,
+            state-dict type, ...). ``None`` means FSDP2 with full sharding and sharded checkpoints.
+        init_kwargs: Process-group options (collective backend, init method, timeout).
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        parallel_devices: Passed to Lightning.
+        cluster_environment: Passed to Lightning.
+        checkpoint_io: Passed to Lightning (used for full-state-dict checkpoint files).
+        precision_plugin: Passed to Lightning.
+        start_method: How processes start, as for ``acc_ddp``.
+
+    Checkpoints follow ``fsdp_plugin.state_dict_type``: ``FULL_STATE_DICT`` writes one file (gathered from every
+    process, written by rank 0), ``SHARDED_STATE_DICT`` a directory of ``torch.distributed.checkpoint`` shards with
+    ``meta.pt``. ``fit(ckpt_path=...)`` reads either.
+
+    """
+
+    def __init__(
+        self,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        *,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        strategy_name: str = "acc_fsdp",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        start_method: _StartMethod = "popen",
+    ) -> None:
+        self._fsdp = FSDPFamily(fsdp_plugin)
+        super().__init__(
+            init_kwargs=init_kwargs,
+            strategy_name=strategy_name,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            start_method=start_method,
+        )
+
+    @property
+    @override
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.FSDP
+
+    @property
+    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin:
+        """The FSDP settings in use."""
+        return self._fsdp.plugin
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
+        return self._fsdp.wrap(model, self.root_device, self.world_size)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        assert self.model is not None
+        with self._fsdp.no_sync(self.model):
+            yield
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    def _step(self, method: str, context: Callable[[], AbstractContextManager], *args: Any, **kwargs: Any) -> Any:
+        """Run a step through the sharded model's ``forward`` so FSDP gathers parameters first.
+
+        FSDP2 shards the LightningModule in place, so Lightning's own check (``model != lightning_module``) would
+        skip the redirection and run the step on sharded parameters.
+        """
+        assert self.model is not None and self.lightning_module is not None
+        with context():
+            if not _is_sharded(self.model):
+                return getattr(self.lightning_module, method)(*args, **kwargs)
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return self._fsdp.model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return self._fsdp.optimizer_state_dict(self.model, optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing to do: :meth:`load_checkpoint` already loaded the weights into the sharded model."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Nothing to do: :meth:`load_checkpoint` already loaded the optimizer states."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(filepath))
+        if self._fsdp.full_state_dict:
+            super().save_checkpoint(checkpoint, path, storage_options)
+        else:
+            self._fsdp.save_trainer_checkpoint(checkpoint, path, self.is_global_zero)
+        self.barrier("acc_fsdp.save_checkpoint")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.model is not None and self.lightning_module is not None
+        path = Path(self.broadcast(checkpoint_path))
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        return self._fsdp.load_trainer_checkpoint(path, self.model, optimizers, self.lightning_module.strict_loading)
+
+
+class _FSDPBackwardSyncControl(_BackwardSyncControl):
+    def __init__(self, family: FSDPFamily) -> None:
+        self._family = family
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._family.no_sync(module, enabled)
+
+
+class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
+    """Fabric twin of :class:`AcceleratedFSDPStrategy` (``precision`` instead of ``precision_plugin``).
+
+    Sharding replaces the model's parameters, so set the model up first and create the optimizer from the sharded
+    parameters: ``model = fabric.setup_module(model)``, then ``fabric.setup_optimizers(SGD(model.parameters()))``.
+    """
+
+    def __init__(
+        self,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        *,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        strategy_name: str = "acc_fsdp",
+        accelerator: FabricAccelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: FabricPrecision | None = None,
+        start_method: _StartMethod = "popen",
+    ) -> None:
+        self._fsdp = FSDPFamily(fsdp_plugin)
+        super().__init__(
+            init_kwargs=init_kwargs,
+            strategy_name=strategy_name,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _FSDPBackwardSyncControl(self._fsdp)
+
+    @property
+    @override
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.FSDP
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        raise ValueError(
+            "acc_fsdp replaces the model's parameters when it shards them, so an optimizer created before"
+            " `fabric.setup(model, optimizer)` would update stale tensors. Call `model = fabric.setup_module(model)`,"
+            " then create the optimizer from `model.parameters()` and call `fabric.setup_optimizers(optimizer)`."
+        )
+
+    @override
+    def setup_module(self, module: Module) -> Module:  # type: ignore[override]
+        return self._fsdp.wrap(module, self.root_device, self.world_size)
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        return self._fsdp.model_state_dict(module)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        if storage_options is not None or filter is not None:
+            raise ValueError("acc_fsdp checkpoints take neither `storage_options` nor `filter`; drop them.")
+        path = Path(self.broadcast(path))
+        module = _single_module(state)
+        converted = {
+            key: self._fsdp.model_state_dict(value)
+            if isinstance(value, Module)
+            else self._fsdp.optimizer_state_dict(module, value)
+            if isinstance(value, Optimizer)
+            else value
+            for key, value in state.items()
+        }
+        if self._fsdp.full_state_dict:
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(converted, path)
+        else:
+            shards = [k for k, v in state.items() if isinstance(v, (Module, Optimizer))]
+            self._fsdp.save_sharded(converted, shards, path, self.is_global_zero)
+        self.barrier("acc_fsdp.save_checkpoint")
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if not isinstance(state, dict):
+            raise ValueError(
+                "acc_fsdp loads checkpoints into a state dict of live objects:"
+                " `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
+            )
+        path = Path(self.broadcast(path))
+        return self._fsdp.load_into(path, state, _single_module(state), strict=strict)
+
+
+def _is_sharded(module: Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in module.modules())
+
+
+def _single_module(state: dict[str, Any]) -> Module:
+    modules = [v for v in state.values() if isinstance(v, Module)]
+    if len(modules) != 1:
+        raise ValueError(
+            f"acc_fsdp checkpoints hold exactly one sharded model, got {len(modules)} modules in the state;"
+            " save each model to its own path."
+        )
+    return modules[0]
+
+
+ENTRIES = (
+    StrategyEntry(
+        "acc_fsdp",
+        AcceleratedFSDPStrategy,
+        FabricAcceleratedFSDPStrategy,
+        "Fully sharded data parallel (FSDP2 fully_shard or FSDP1) on CPU or GPU (FSDP)",
+        DistributedType.FSDP,
+    ),
+)

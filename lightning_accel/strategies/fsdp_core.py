@@ -1,0 +1,308 @@
+"""The behaviour of ``acc_fsdp``, written once for the Trainer and Fabric strategies.
+
+It wraps a module with FSDP1 (``FullyShardedDataParallel``) or FSDP2 (``fully_shard``) from a
+:class:`FullyShardedDataParallelPlugin`, controls gradient sync for accumulation, and moves state dicts and checkpoints
+in and out of the sharded model through ``torch.distributed.checkpoint``, which speaks both versions. Everything runs on
+CPU (gloo) as well as on GPUs.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_accel.config import FullyShardedDataParallelPlugin
+
+# A sharded checkpoint is a directory: torch.distributed.checkpoint shards plus this file with everything else.
+METADATA_FILENAME = "meta.pt"
+_MODEL_KEY = "state_dict"
+_OPTIMIZER_PREFIX = "optimizer_"
+
+
+class FSDPFamily:
+    """Wrapping, gradient-sync control and state-dict handling for FSDP1 and FSDP2.
+
+    Args:
+        plugin: Accelerate's FSDP settings; ``None`` means the defaults (FSDP2, full sharding, sharded checkpoints).
+
+    """
+
+    def __init__(self, plugin: FullyShardedDataParallelPlugin | None) -> None:
+        if plugin is not None and not isinstance(plugin, FullyShardedDataParallelPlugin):
+            raise TypeError(f"`fsdp_plugin` must be a FullyShardedDataParallelPlugin, got {type(plugin).__name__}.")
+        self.plugin = plugin or FullyShardedDataParallelPlugin()
+
+    @property
+    def version(self) -> int:
+        """1 for ``FullyShardedDataParallel``, 2 for ``fully_shard``."""
+        return int(self.plugin.fsdp_version)
+
+    @property
+    def full_state_dict(self) -> bool:
+        """Whether checkpoints hold the full (gathered) state rather than one shard per process."""
+        return self.plugin.state_dict_type == "FULL_STATE_DICT"
+
+    def wrap(self, module: Module, device: torch.device, world_size: int) -> Module:
+        """Shard ``module`` across the default process group; returns the module to train."""
+        if self.plugin.activation_checkpointing:
+            self._apply_activation_checkpointing(module)
+        if self.version == 1:
+            return self._wrap_fsdp1(module, device)
+        return self._wrap_fsdp2(module, device, world_size)
+
+    @contextmanager
+    def no_sync(self, module: Module, enabled: bool = True) -> Generator[None, None, None]:
+        """Skip gradient reduction for the backward passes inside the block (gradient accumulation)."""
+        if not enabled:
+            yield
+            return
+        if self.version == 1:
+            with module.no_sync():  # type: ignore[operator]  # FullyShardedDataParallel.no_sync
+                yield
+            return
+        fsdp2_modules = [m for m in module.modules() if hasattr(m, "set_requires_gradient_sync")]
+        for m in fsdp2_modules:
+            m.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            for m in fsdp2_modules:
+                m.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+
+    def model_state_dict(self, model: Module, full: bool | None = None) -> dict[str, Any]:
+        """The model's state dict: gathered on every process if ``full``, else this process's shards."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=self._options(model, full))
+
+    def optimizer_state_dict(self, model: Module, optimizer: Optimizer, full: bool | None = None) -> dict[str, Any]:
+        """The optimizer's state dict, keyed by parameter names (full or sharded like the model's)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=self._options(model, full))
+
+    def save_sharded(self, state: dict[str, Any], shard_keys: Iterable[str], path: Path, is_global_zero: bool) -> None:
+        """Write a sharded checkpoint directory: the ``shard_keys`` entries as shards, ``meta.pt`` with the rest."""
+        import torch.distributed.checkpoint as dcp
+
+        keys = set(shard_keys)
+        path.mkdir(parents=True, exist_ok=True)
+        dcp.save({k: v for k, v in state.items() if k in keys}, checkpoint_id=path)
+        if is_global_zero:
+            torch.save({k: v for k, v in state.items() if k not in keys}, path / METADATA_FILENAME)
+
+    def load_into(self, path: Path, state: dict[str, Any], model: Module, strict: bool = True) -> dict[str, Any]:
+        """Load a checkpoint file or sharded directory into the live objects of ``state``.
+
+        Modules and optimizers in ``state`` are loaded in place (``model`` is the sharded module the optimizers
+        belong to); other entries of ``state`` are replaced by the checkpoint's values.
+
+        Returns:
+            What the checkpoint holds beyond the keys of ``state``.
+
+        Raises:
+            FileNotFoundError: If ``path`` is neither a checkpoint file nor a sharded checkpoint directory.
+            KeyError: If ``strict`` and the checkpoint lacks one of the keys of ``state``.
+
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        live = {k: v for k, v in state.items() if isinstance(v, (Module, Optimizer))}
+        if is_sharded_checkpoint(path):
+            checkpoint = self._read_sharded(path, live, model)
+            options = StateDictOptions(strict=strict)
+        elif path.is_file():
+            checkpoint = _optimizer_list_to_keys(torch.load(path, map_location="cpu", weights_only=False))
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+        else:
+            raise FileNotFoundError(
+                f"No checkpoint at {str(path)!r}: expected a checkpoint file or a sharded checkpoint directory"
+                f" (with {METADATA_FILENAME})."
+            )
+        missing = [k for k in state if k not in checkpoint]
+        if strict and missing:
+            raise KeyError(f"The checkpoint at {str(path)!r} has no {missing}; it holds {sorted(checkpoint)}.")
+        for key, value in state.items():
+            if key not in checkpoint:
+                continue
+            if isinstance(value, Module):
+                set_model_state_dict(value, checkpoint.pop(key), options=options)
+            elif isinstance(value, Optimizer):
+                set_optimizer_state_dict(model, value, checkpoint.pop(key), options=options)
+            else:
+                state[key] = checkpoint.pop(key)
+        return checkpoint
+
+    def save_trainer_checkpoint(self, checkpoint: dict[str, Any], path: Path, is_global_zero: bool) -> None:
+        """Write a Trainer checkpoint (``state_dict`` and ``optimizer_states`` become shards)."""
+        state = _optimizer_list_to_keys(dict(checkpoint))
+        shard_keys = [k for k in state if k == _MODEL_KEY or k.startswith(_OPTIMIZER_PREFIX)]
+        self.save_sharded(state, shard_keys, path, is_global_zero)
+
+    def load_trainer_checkpoint(
+        self, path: Path, model: Module, optimizers: Iterable[Optimizer], strict: bool = True
+    ) -> dict[str, Any]:
+        """Load a Trainer checkpoint into the sharded model and its optimizers; returns the loop and callback state."""
+        state: dict[str, Any] = {_MODEL_KEY: model}
+        state.update({f"{_OPTIMIZER_PREFIX}{i}": optimizer for i, optimizer in enumerate(optimizers)})
+        return self.load_into(path, state, model, strict=strict)
+
+    def _read_sharded(self, path: Path, live: dict[str, Module | Optimizer], model: Module) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        shards = {
+            key: self.model_state_dict(value, full=False)
+            if isinstance(value, Module)
+            else self.optimizer_state_dict(model, value, full=False)
+            for key, value in live.items()
+        }
+        dcp.load(shards, checkpoint_id=path)
+        metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
+        return {**metadata, **shards}
+
+    def _options(self, model: Module, full: bool | None) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        full = self.full_state_dict if full is None else full
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+        # Gathering to CPU on a CPU-only run crashes FSDP1 (it offloads with rank0_only); there is nothing to offload.
+        return StateDictOptions(full_state_dict=full, cpu_offload=full and not on_cpu)
+
+    def _wrap_fsdp1(self, module: Module, device: torch.device) -> Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        plugin = self.plugin
+        return FullyShardedDataParallel(
+            module,
+            device_id=device,
+            sharding_strategy=plugin.torch_sharding_strategy(),
+            cpu_offload=plugin.torch_cpu_offload(),  # type: ignore[arg-type]  # a CPUOffload for fsdp_version=1
+            mixed_precision=plugin.torch_mixed_precision(),  # type: ignore[arg-type]  # a MixedPrecision for v1
+            auto_wrap_policy=plugin.build_auto_wrap_policy(module),
+            backward_prefetch=plugin.torch_backward_prefetch(),
+            forward_prefetch=bool(plugin.forward_prefetch),
+            limit_all_gathers=plugin.limit_all_gathers,
+            use_orig_params=bool(plugin.use_orig_params),
+            sync_module_states=bool(plugin.sync_module_states),
+            param_init_fn=plugin.param_init_fn,
+            ignored_modules=self._ignored_modules(module),
+        )
+
+    def _wrap_fsdp2(self, module: Module, device: torch.device, world_size: int) -> Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        plugin = self.plugin
+        kwargs: dict[str, Any] = {
+            "mesh": init_device_mesh(device.type, (world_size,)),
+            "reshard_after_forward": plugin.reshard_after_forward,
+            "offload_policy": plugin.torch_cpu_offload(),
+        }
+        mp_policy = plugin.torch_mixed_precision()
+        if mp_policy is not None:
+            kwargs["mp_policy"] = mp_policy
+        ignored = self._ignored_modules(module)
+        ignored_params = {p for m in ignored for p in m.parameters()} if ignored else None
+        for child in self._fsdp2_units(module):
+            fully_shard(child, **kwargs)
+        fully_shard(module, ignored_params=ignored_params, **kwargs)
+        return module
+
+    def _fsdp2_units(self, root: Module) -> list[Module]:
+        """The submodules to shard as their own units, children before parents (the auto-wrap policy's choice)."""
+        policy = self.plugin.build_auto_wrap_policy(root)
+        if policy is None:
+            return []
+        units: list[Module] = []
+        covered: set[int] = set()
+        for _, module in reversed(list(root.named_modules())[1:]):
+            own = [p for p in module.parameters() if id(p) not in covered]
+            if policy(module=module, recurse=False, nonwrapped_numel=sum(p.numel() for p in own)):
+                units.append(module)
+                covered.update(id(p) for p in own)
+        return units
+
+    def _ignored_modules(self, root: Module) -> list[Module] | None:
+        ignored = self.plugin.ignored_modules
+        if ignored is None:
+            return None
+        if isinstance(ignored, str):
+            pattern = re.compile(ignored)
+            return [m for name, m in root.named_modules() if name and pattern.fullmatch(name)]
+        return list(ignored)
+
+    def _apply_activation_checkpointing(self, module: Module) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        names = set(self.plugin.transformer_cls_names_to_wrap or [])
+        if not names:
+            raise ValueError(
+                "activation_checkpointing=True needs the blocks to checkpoint: set"
+                " FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...]) to their class names."
+            )
+        apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a directory written by :meth:`FSDPFamily.save_sharded`."""
+    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_KEY) -> dict[str, torch.Tensor]:
+    """Read a model's full state dict from an ``acc_fsdp`` checkpoint (file or sharded directory), in one process.
+
+    Args:
+        path: A checkpoint file (``FULL_STATE_DICT``) or directory (``SHARDED_STATE_DICT``).
+        prefix: Keep only keys starting with this prefix and strip it, e.g. ``"net."`` to load a LightningModule's
+            ``self.net`` into a plain ``nn.Module``.
+        key: Where the model sits in the checkpoint: ``"state_dict"`` for the Trainer, the name given to
+            ``fabric.save(path, {"model": model, ...})`` for Fabric.
+
+    Returns:
+        A state dict of plain CPU tensors for ``nn.Module.load_state_dict``.
+
+    """
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        with warnings.catch_warnings():  # torch warns that it reads in one process, which is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            checkpoint = _load_state_dict_from_keys(keys={key}, checkpoint_id=path)
+    elif path.is_file():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    else:
+        raise FileNotFoundError(f"No checkpoint at {str(path)!r}: expected a checkpoint file or directory.")
+    if key not in checkpoint:
+        raise KeyError(
+            f"The checkpoint at {str(path)!r} has no {key!r} entry; pass `key=` (one of {sorted(checkpoint)})."
+        )
+    return _strip_prefix(checkpoint[key], prefix)
+
+
+def _optimizer_list_to_keys(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Turn the Trainer's ``optimizer_states`` list into ``optimizer_0``, ``optimizer_1``, ... entries."""
+    for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        checkpoint[f"{_OPTIMIZER_PREFIX}{index}"] = optimizer_state
+    return checkpoint
+
+
+def _strip_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    if not prefix:
+        return dict(state)
+    selected = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    if not selected:
+        raise KeyError(f"No key of the checkpoint starts with prefix {prefix!r}; keys look like {next(iter(state))!r}.")
+    return selected
