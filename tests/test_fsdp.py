@@ -12,11 +12,18 @@ from torch import nn
 
 import lightning_accel
 from lightning_accel.strategies import AcceleratedFSDPStrategy, FabricAcceleratedFSDPStrategy
-from lightning_accel.strategies.fsdp_core import load_full_state_dict
-from lightning_accel.utils import DistributedType, FullyShardedDataParallelPlugin
+from lightning_accel.utils import DistributedType, FullyShardedDataParallelPlugin, load_full_state_dict
 from tests.helpers import torchrun
 
 TRAINER_VARIANTS = ["fsdp2", "fsdp2_units", "fsdp1"]
+# FSDP units (the root included) and activation-checkpointed blocks each configuration must produce.
+STRUCTURE = {
+    "fsdp2": (1, 0),
+    "fsdp2_units": (2, 0),  # size_based_wrap(min_num_params=100): Linear(16, 64) has 1088, Linear(64, 1) only 65
+    "fsdp1": (1, 0),
+    "fsdp2_options": (3, 2),  # transformer_based_wrap on "Linear" + activation checkpointing of both Linears
+    "fsdp1_options": (2, 0),
+}
 Results = dict[str, list[dict[str, Any]]]
 
 
@@ -40,10 +47,11 @@ def assert_close_runs(ours: list[dict[str, Any]], reference: list[dict[str, Any]
             torch.testing.assert_close(value, b["weights"][key], rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
 
 
-@pytest.mark.parametrize("variant", TRAINER_VARIANTS)
+@pytest.mark.parametrize("variant", list(STRUCTURE))
 def test_trainer_matches_ddp_and_shards_parameters(run: tuple[Results, Path], variant: str) -> None:
     results, _ = run
     ours = results[variant]
+    assert (ours[0]["fsdp_units"], ours[0]["checkpoint_wrappers"]) == STRUCTURE[variant]
     assert len(ours[0]["losses"]) == 12
     assert {r["strategy_class"] for r in ours} == {"AcceleratedFSDPStrategy"}
     assert {r["distributed_type"] for r in ours} == {"DistributedType.FSDP"}
@@ -140,3 +148,14 @@ def test_acc_fsdp_is_registered_and_accepted_on_cpu() -> None:
 def test_bad_plugin_type_is_refused() -> None:
     with pytest.raises(TypeError, match="`fsdp_plugin` must be a FullyShardedDataParallelPlugin, got dict"):
         AcceleratedFSDPStrategy({"fsdp_version": 2})  # type: ignore[arg-type]
+
+
+def test_cpu_offload_on_cpu_and_checkpointing_without_blocks_are_refused() -> None:
+    from lightning_accel.strategies.fsdp_core import FSDPFamily
+
+    net = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"cpu_offload=\.\.\.\) moves parameters .* already trains on CPU"):
+        FSDPFamily(FullyShardedDataParallelPlugin(cpu_offload=True)).wrap(net, torch.device("cpu"), 1)
+    plugin = FullyShardedDataParallelPlugin(activation_checkpointing=True)
+    with pytest.raises(ValueError, match=r"activation_checkpointing=True needs .*transformer_cls_names_to_wrap"):
+        FSDPFamily(plugin).wrap(net, torch.device("cpu"), 1)

@@ -9,8 +9,7 @@ CPU (gloo) as well as on GPUs.
 from __future__ import annotations
 
 import re
-import warnings
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accel.config import FullyShardedDataParallelPlugin
+from lightning_accel.utils.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
 
-# A sharded checkpoint is a directory: torch.distributed.checkpoint shards plus this file with everything else.
-METADATA_FILENAME = "meta.pt"
 _MODEL_KEY = "state_dict"
 _OPTIMIZER_PREFIX = "optimizer_"
 
@@ -51,7 +49,17 @@ class FSDPFamily:
         return self.plugin.state_dict_type == "FULL_STATE_DICT"
 
     def wrap(self, module: Module, device: torch.device, world_size: int) -> Module:
-        """Shard ``module`` across the default process group; returns the module to train."""
+        """Shard ``module`` across the default process group; returns the module to train.
+
+        Raises:
+            ValueError: If ``cpu_offload`` is requested while training on CPU, where there is nothing to offload.
+
+        """
+        if device.type == "cpu" and self._offloads():
+            raise ValueError(
+                "FullyShardedDataParallelPlugin(cpu_offload=...) moves parameters from an accelerator to CPU memory,"
+                " but this run already trains on CPU. Drop cpu_offload, or train on a GPU."
+            )
         if self.plugin.activation_checkpointing:
             self._apply_activation_checkpointing(module)
         if self.version == 1:
@@ -180,10 +188,23 @@ class FSDPFamily:
         # Gathering to CPU on a CPU-only run crashes FSDP1 (it offloads with rank0_only); there is nothing to offload.
         return StateDictOptions(full_state_dict=full, cpu_offload=full and not on_cpu)
 
+    def _offloads(self) -> bool:
+        offload = self.plugin.cpu_offload
+        if isinstance(offload, bool):
+            return offload
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return isinstance(offload, CPUOffloadPolicy) or bool(getattr(offload, "offload_params", False))
+
     def _wrap_fsdp1(self, module: Module, device: torch.device) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         plugin = self.plugin
+        sync_module_states = bool(plugin.sync_module_states)
+        if sync_module_states and device.type == "cpu":
+            # torch's FSDP1 broadcasts only GPU tensors; on CPU, broadcast from rank 0 over gloo before wrapping.
+            _broadcast_module_states(module)
+            sync_module_states = False
         return FullyShardedDataParallel(
             module,
             device_id=device,
@@ -195,7 +216,7 @@ class FSDPFamily:
             forward_prefetch=bool(plugin.forward_prefetch),
             limit_all_gathers=plugin.limit_all_gathers,
             use_orig_params=bool(plugin.use_orig_params),
-            sync_module_states=bool(plugin.sync_module_states),
+            sync_module_states=sync_module_states,
             param_init_fn=plugin.param_init_fn,
             ignored_modules=self._ignored_modules(module),
         )
@@ -255,41 +276,11 @@ class FSDPFamily:
         apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
 
 
-def is_sharded_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a directory written by :meth:`FSDPFamily.save_sharded`."""
-    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+def _broadcast_module_states(module: Module) -> None:
+    from torch.distributed.distributed_c10d import _get_default_group
+    from torch.distributed.utils import _sync_module_states
 
-
-def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_KEY) -> dict[str, torch.Tensor]:
-    """Read a model's full state dict from an ``acc_fsdp`` checkpoint (file or sharded directory), in one process.
-
-    Args:
-        path: A checkpoint file (``FULL_STATE_DICT``) or directory (``SHARDED_STATE_DICT``).
-        prefix: Keep only keys starting with this prefix and strip it, e.g. ``"net."`` to load a LightningModule's
-            ``self.net`` into a plain ``nn.Module``.
-        key: Where the model sits in the checkpoint: ``"state_dict"`` for the Trainer, the name given to
-            ``fabric.save(path, {"model": model, ...})`` for Fabric.
-
-    Returns:
-        A state dict of plain CPU tensors for ``nn.Module.load_state_dict``.
-
-    """
-    path = Path(path)
-    if is_sharded_checkpoint(path):
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-        with warnings.catch_warnings():  # torch warns that it reads in one process, which is the point here
-            warnings.simplefilter("ignore", UserWarning)
-            checkpoint = _load_state_dict_from_keys(keys={key}, checkpoint_id=path)
-    elif path.is_file():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    else:
-        raise FileNotFoundError(f"No checkpoint at {str(path)!r}: expected a checkpoint file or directory.")
-    if key not in checkpoint:
-        raise KeyError(
-            f"The checkpoint at {str(path)!r} has no {key!r} entry; pass `key=` (one of {sorted(checkpoint)})."
-        )
-    return _strip_prefix(checkpoint[key], prefix)
+    _sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
 
 
 def _optimizer_list_to_keys(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -297,12 +288,3 @@ def _optimizer_list_to_keys(checkpoint: dict[str, Any]) -> dict[str, Any]:
     for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         checkpoint[f"{_OPTIMIZER_PREFIX}{index}"] = optimizer_state
     return checkpoint
-
-
-def _strip_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
-    if not prefix:
-        return dict(state)
-    selected = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    if not selected:
-        raise KeyError(f"No key of the checkpoint starts with prefix {prefix!r}; keys look like {next(iter(state))!r}.")
-    return selected

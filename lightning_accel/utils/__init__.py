@@ -29,6 +29,7 @@ from lightning_accel.enums import (
     RNGType,
     SageMakerDistributedType,
 )
+from lightning_accel.utils.checkpoint import load_full_state_dict
 from lightning_accel.utils.constants import (
     FSDP2_STATE_DICT_TYPE,
     FSDP_AUTO_WRAP_POLICY,
@@ -98,4 +99,5 @@ __all__ = [
     "RNGType",
     "SageMakerDistributedType",
     "TorchDynamoPlugin",
+    "load_full_state_dict",
 ]

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.data import DataLoader
 
 import lightning_accel
@@ -22,6 +23,24 @@ from tests.scripts.ddp_parity import Regressor, dataset, network
 FSDP2 = {"fsdp_version": 2}
 FSDP2_UNITS = {"fsdp_version": 2, "auto_wrap_policy": "size_based_wrap", "min_num_params": 100}
 FSDP1_FULL = {"fsdp_version": 1, "state_dict_type": "FULL_STATE_DICT"}
+FSDP2_OPTIONS = {
+    "fsdp_version": 2,
+    "auto_wrap_policy": "transformer_based_wrap",
+    "transformer_cls_names_to_wrap": ["Linear"],
+    "activation_checkpointing": True,
+    "reshard_after_forward": False,
+}
+FSDP1_OPTIONS = {
+    "fsdp_version": 1,
+    "sharding_strategy": "SHARD_GRAD_OP",
+    "auto_wrap_policy": "size_based_wrap",
+    "min_num_params": 100,
+    "backward_prefetch": "BACKWARD_POST",
+    "forward_prefetch": True,
+    "limit_all_gathers": False,
+    "use_orig_params": True,
+    "sync_module_states": True,
+}
 
 
 def strategy(options: dict[str, Any] | None) -> Any:
@@ -58,12 +77,15 @@ def result(trainer: L.Trainer, module: Regressor, options: dict[str, Any] | None
     else:
         full = trainer.strategy._fsdp.model_state_dict(trainer.strategy.model, full=True)  # type: ignore[attr-defined]
         weights = {k.removeprefix("net."): v.detach().clone() for k, v in full.items()}
+    modules = list(trainer.strategy.model.modules())
     return {
         "losses": module.losses,
         "weights": weights,
         "strategy_class": type(trainer.strategy).__name__,
         "distributed_type": str(getattr(trainer.strategy, "distributed_type", None)),
         "local_fraction": local_fraction(trainer.strategy.model),
+        "fsdp_units": sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in modules),
+        "checkpoint_wrappers": sum(type(m).__name__ == "CheckpointWrapper" for m in modules),
     }
 
 
@@ -136,6 +158,8 @@ def main() -> None:
     for name, options in {"ddp": None, "fsdp2": FSDP2, "fsdp2_units": FSDP2_UNITS, "fsdp1": FSDP1_FULL}.items():
         runs[name] = lambda o=options: result(*fit(o, epochs=2), o)
         runs[f"{name}_accum"] = lambda o=options: result(*fit(o, epochs=2, accumulate=2), o)
+    runs["fsdp2_options"] = lambda: result(*fit(FSDP2_OPTIONS, epochs=2), FSDP2_OPTIONS)
+    runs["fsdp1_options"] = lambda: result(*fit(FSDP1_OPTIONS, epochs=2), FSDP1_OPTIONS)
     runs["fsdp2_resume"] = lambda: resume(FSDP2, out, "fsdp2_resume")
     runs["fsdp1_resume"] = lambda: resume(FSDP1_FULL, out, "fsdp1_resume")
     runs["fabric_ddp"] = lambda: fabric(None, out, "fabric_ddp")

@@ -1,0 +1,60 @@
+"""Reading checkpoints written by lightning_accel's sharded strategies without starting processes."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# A sharded checkpoint is a directory: torch.distributed.checkpoint shards plus this file with everything else.
+METADATA_FILENAME = "meta.pt"
+_MODEL_KEY = "state_dict"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (shards plus ``meta.pt``)."""
+    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_KEY) -> dict[str, torch.Tensor]:
+    """Read a model's full state dict from a lightning_accel checkpoint (file or sharded directory), in one process.
+
+    Args:
+        path: A checkpoint file (``FULL_STATE_DICT``) or directory (``SHARDED_STATE_DICT``).
+        prefix: Keep only keys starting with this prefix and strip it, e.g. ``"net."`` to load a LightningModule's
+            ``self.net`` into a plain ``nn.Module``.
+        key: Where the model sits in the checkpoint: ``"state_dict"`` for the Trainer, the name given to
+            ``fabric.save(path, {"model": model, ...})`` for Fabric.
+
+    Returns:
+        A state dict of plain CPU tensors for ``nn.Module.load_state_dict``.
+
+    """
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        with warnings.catch_warnings():  # torch warns that it reads in one process, which is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            checkpoint = _load_state_dict_from_keys(keys={key}, checkpoint_id=path)
+    elif path.is_file():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    else:
+        raise FileNotFoundError(f"No checkpoint at {str(path)!r}: expected a checkpoint file or directory.")
+    if key not in checkpoint:
+        raise KeyError(
+            f"The checkpoint at {str(path)!r} has no {key!r} entry; pass `key=` (one of {sorted(checkpoint)})."
+        )
+    return _strip_prefix(checkpoint[key], prefix)
+
+
+def _strip_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    if not prefix:
+        return dict(state)
+    selected = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    if not selected:
+        raise KeyError(f"No key of the checkpoint starts with prefix {prefix!r}; keys look like {next(iter(state))!r}.")
+    return selected
