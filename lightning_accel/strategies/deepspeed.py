@@ -1,0 +1,441 @@
+"""DeepSpeed strategies (``acc_deepspeed``, ``acc_deepspeed_stage_1`` ... ``acc_deepspeed_stage_3_offload``).
+
+The behaviour lives in :class:`~lightning_accel.strategies.deepspeed_core.DeepSpeedFamily`; the two classes here adapt
+it to Lightning's own ``DeepSpeedStrategy`` classes for the Trainer and Fabric, which they subclass so that Lightning
+picks its DeepSpeed precision plugin and checkpoint handling for them. Unlike Lightning's, they run on CPU (DeepSpeed's
+CPU accelerator over gloo) as well as CUDA, are configured by a :class:`~lightning_accel.config.DeepSpeedPlugin`, and
+under the Trainer give the numbers of ``ddp`` with gradient accumulation too (see
+:meth:`AcceleratedDeepSpeedStrategy.block_backward_sync`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
+from lightning.pytorch.plugins import Precision
+from lightning.pytorch.strategies import DeepSpeedStrategy as _TrainerDeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_accel.config import DeepSpeedPlugin
+from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.deepspeed_core import (
+    DeepSpeedFamily,
+    TrainingFacts,
+    consolidate_deepspeed_checkpoint,
+    estimated_total_steps,
+)
+from lightning_accel.strategies.registry import StrategyEntry
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "AcceleratedDeepSpeedStrategy",
+    "FabricAcceleratedDeepSpeedStrategy",
+    "consolidate_deepspeed_checkpoint",
+]
+
+
+class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
+    """Trainer strategy running DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) on CPU or CUDA devices.
+
+    The DeepSpeed config is the plugin's; its ``"auto"`` entries are filled from the Trainer (micro-batch size from
+    the training DataLoader, ``accumulate_grad_batches``, ``gradient_clip_val``, ``precision``, and the optimizer and
+    scheduler from ``configure_optimizers`` when the config declares its own). Conflicts raise ``ValueError``.
+
+    Lightning's loop decides which micro-batches accumulate, as it does for ``ddp``: DeepSpeed steps once per
+    optimizer step (also on a shorter last window of an epoch), ``global_step`` counts optimizer steps, and the loss
+    is divided by the accumulation steps once (Lightning's own DeepSpeed strategy divides it twice).
+
+    Checkpoints are DeepSpeed directories (one shard per rank); with ``zero3_save_16bit_model=True`` they also hold
+    the gathered weights as ``pytorch_model.bin``. :func:`consolidate_deepspeed_checkpoint` turns either into a full
+    state dict.
+
+    Args:
+        deepspeed_plugin: The DeepSpeed settings; ``None`` means ``DeepSpeedPlugin()`` (ZeRO stage 2).
+        plugin_fields: Fields for the plugin built when ``deepspeed_plugin`` is ``None`` (used by the
+            ``acc_deepspeed_stage_*`` names).
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        parallel_devices: Passed to Lightning.
+        cluster_environment: Passed to Lightning.
+        precision_plugin: Passed to Lightning.
+        process_group_backend: The collective backend; by default gloo on CPU and NCCL on CUDA.
+        timeout: Process-group timeout.
+        remote_device: Where ``deepspeed.zero.Init`` places new parameters (``"cpu"``, ``"nvme"``), ZeRO 3 only.
+        load_full_weights: Resume ZeRO 3 from a single full checkpoint file instead of a DeepSpeed directory.
+        exclude_frozen_parameters: Leave frozen parameters out of checkpoints.
+        logging_level: Level of DeepSpeed's logger.
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_accel.utils import DeepSpeedPlugin
+        >>> trainer = L.Trainer(  # doctest: +SKIP
+        ...     accelerator="cpu",
+        ...     devices=2,
+        ...     strategy=AcceleratedDeepSpeedStrategy(DeepSpeedPlugin(zero_stage=3, zero3_save_16bit_model=True)),
+        ... )
+
+    """
+
+    def __init__(
+        self,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
+        *,
+        plugin_fields: Mapping[str, Any] | None = None,
+        strategy_name: str = "acc_deepspeed",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        remote_device: str | None = None,
+        load_full_weights: bool = False,
+        exclude_frozen_parameters: bool = False,
+        logging_level: int = logging.WARN,
+    ) -> None:
+        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields)
+        super().__init__(
+            accelerator=accelerator,
+            config=self._family.config,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            remote_device=remote_device,
+            load_full_weights=load_full_weights,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            logging_level=logging_level,
+        )
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin:
+        """The DeepSpeed settings this strategy runs with."""
+        return self._family.plugin
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Always ``DistributedType.DEEPSPEED``."""
+        return DistributedType.DEEPSPEED
+
+    @override
+    def setup_environment(self) -> None:
+        self._family.use_device(self.root_device)
+        # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
+        super(_TrainerDeepSpeedStrategy, self).setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        self._family.check_devices(self.parallel_devices)
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @override
+    def _format_config(self) -> None:
+        module = self.lightning_module
+        trainer = None if module is None else module._trainer
+        self.config = self._family.resolve(self._training_facts(trainer))
+        accumulation = self.config["gradient_accumulation_steps"]
+        if trainer is not None and trainer.accumulate_grad_batches != accumulation:
+            rank_zero_info(f"{self._family.strategy_name}: accumulating {accumulation} batches per optimizer step.")
+            trainer.accumulate_grad_batches = accumulation
+
+    def _training_facts(self, trainer: pl.Trainer | None) -> TrainingFacts:
+        device = self.root_device.type
+        precision = str(self.precision_plugin.precision)
+        if trainer is None:
+            return TrainingFacts(world_size=self.world_size, device_type=device, precision=precision)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        return TrainingFacts(
+            world_size=self.world_size,
+            device_type=device,
+            precision=precision,
+            micro_batch_size=self._train_batch_size(trainer) if fitting else None,
+            micro_batch_size_required=fitting,
+            accumulation=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val,
+        )
+
+    def _train_batch_size(self, trainer: pl.Trainer) -> int | None:
+        source = trainer.fit_loop._data_source
+        if not source.is_defined():
+            return None
+        sizes = set(_batch_sizes(source.dataloader()))
+        if not sizes:
+            return None
+        return min(sizes) if self._family.plugin.is_train_batch_min else max(sizes)
+
+    @override
+    def _initialize_deepspeed_train(self, model: Module) -> None:
+        module = self.lightning_module
+        assert module is not None
+        declared_optimizer = "optimizer" in self._family.config
+        declared_scheduler = "scheduler" in self._family.config
+        optimizers, scheduler_configs = _init_optimizers_and_lr_schedulers(module)
+        if len(optimizers) > 1 or len(scheduler_configs) > 1:
+            raise ValueError(
+                f"DeepSpeed trains with one optimizer and at most one scheduler, but configure_optimizers returned"
+                f" {len(optimizers)} optimizers and {len(scheduler_configs)} schedulers."
+            )
+        optimizer = None if isinstance(optimizers[0], _MockOptimizer) else optimizers[0]
+        scheduler_config = scheduler_configs[0] if scheduler_configs else None
+        if scheduler_config is not None and (declared_optimizer or declared_scheduler):
+            declared = "a scheduler" if declared_scheduler else "an optimizer"
+            raise ValueError(
+                f"hf_ds_config declares {declared} and configure_optimizers returns a scheduler; DeepSpeed would"
+                " replace the optimizer that scheduler drives. Declare both optimizer and scheduler in the config,"
+                " or neither."
+            )
+        if optimizer is None and not declared_optimizer:
+            raise ValueError(
+                "configure_optimizers returned no optimizer and hf_ds_config declares none: return one from"
+                " configure_optimizers, or add an 'optimizer' section to hf_ds_config."
+            )
+        total_steps = estimated_total_steps(module.trainer.estimated_stepping_batches) if declared_scheduler else None
+        config = self._family.engine_config(model, optimizer, total_steps)
+        engine, ds_optimizer, ds_scheduler = self._family.initialize(
+            model, None if declared_optimizer else optimizer, self.local_rank, config
+        )
+        self._set_deepspeed_activation_checkpointing()
+        self.optimizers = [ds_optimizer]
+        if ds_scheduler is not None:
+            engine.lr_scheduler = None  # Lightning steps it, once per optimizer step
+            self.lr_scheduler_configs = [LRSchedulerConfig(ds_scheduler, interval="step")]
+        elif scheduler_config is not None:
+            self.lr_scheduler_configs = [scheduler_config]
+        engine.set_gradient_accumulation_boundary(True)  # block_backward_sync marks the micro-batches that accumulate
+        self.model = engine
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        remove_module_hooks(model)  # a training engine may have left its hooks on the module
+        self.model, _, _ = self._family.initialize(model, None, self.local_rank, self._family.inference_config())
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Optimizer]:
+        config = self._family.engine_config(model, optimizer, None)
+        engine, ds_optimizer, _ = self._family.initialize(model, optimizer, self.local_rank, config, lr_scheduler)
+        return engine, ds_optimizer
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        self._init_config_if_needed()
+        with self._family.sharded_init_context(self.remote_device):
+            yield
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """``False``: the loop decides when to step, and :meth:`block_backward_sync` tells DeepSpeed."""
+        return False
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside accumulate gradients without reaching DeepSpeed's accumulation boundary."""
+        with self._family.accumulating(self.model):
+            yield
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # Lightning's loop already divided the loss by the accumulation steps; DeepSpeed must not divide it again.
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        filepath = self.broadcast(filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._family.save_full_weights(self.deepspeed_engine, filepath)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register nothing: the ``acc_deepspeed*`` names come from lightning_accel's table."""
+
+
+class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
+    """Fabric twin of :class:`AcceleratedDeepSpeedStrategy`.
+
+    It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no accumulation or
+    clipping settings and no DataLoader at setup, so the config's ``"auto"`` entries for them become ``1``, ``0`` and
+    ``1`` (the micro-batch size only feeds DeepSpeed's throughput report). Accumulation follows DeepSpeed's own rules:
+    call ``fabric.backward(loss)`` and ``optimizer.step()`` for every micro-batch; the engine divides the loss by
+    ``gradient_accumulation_steps`` and updates the weights on every ``gradient_accumulation_steps``-th call.
+    """
+
+    def __init__(
+        self,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
+        *,
+        plugin_fields: Mapping[str, Any] | None = None,
+        strategy_name: str = "acc_deepspeed",
+        accelerator: FabricAccelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: FabricPrecision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        remote_device: str | None = None,
+        load_full_weights: bool = False,
+        exclude_frozen_parameters: bool = False,
+        logging_level: int = logging.WARN,
+    ) -> None:
+        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields)
+        super().__init__(
+            accelerator=accelerator,
+            config=self._family.config,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            remote_device=remote_device,
+            load_full_weights=load_full_weights,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            logging_level=logging_level,
+        )
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin:
+        """The DeepSpeed settings this strategy runs with."""
+        return self._family.plugin
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Always ``DistributedType.DEEPSPEED``."""
+        return DistributedType.DEEPSPEED
+
+    @override
+    def setup_environment(self) -> None:
+        self._family.use_device(self.root_device)
+        # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
+        super(_FabricDeepSpeedStrategy, self).setup_environment()
+
+    @override
+    def _setup_distributed(self) -> None:
+        self._family.check_devices(self.parallel_devices)
+        reset_seed()
+        self._set_world_ranks()
+        self._init_deepspeed_distributed()
+        if not self._config_initialized:
+            self._format_config()
+            self._config_initialized = True
+
+    @override
+    def _format_config(self) -> None:
+        facts = TrainingFacts(
+            world_size=self.world_size, device_type=self.root_device.type, precision=str(self.precision.precision)
+        )
+        self.config = self._family.resolve(facts)
+
+    @override
+    def _initialize_engine(
+        self, model: Module, optimizer: Optimizer | None = None, scheduler: Any = None
+    ) -> tuple[Any, Any, Any]:
+        declared_optimizer = "optimizer" in self._family.config
+        config = self._family.engine_config(model, optimizer, None)
+        return self._family.initialize(
+            model, None if declared_optimizer else optimizer, self.local_rank, config, lr_scheduler=scheduler
+        )
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        if not self._config_initialized:
+            raise RuntimeError(
+                "The DeepSpeed config is decided when the processes start: call `fabric.launch()` before"
+                " `fabric.init_module()`."
+            )
+        return self._family.sharded_init_context(self.remote_device)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        path = self.broadcast(path)
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        self._family.save_full_weights(self._deepspeed_engine, path)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register nothing: the ``acc_deepspeed*`` names come from lightning_accel's table."""
+
+
+def _batch_sizes(loaders: Any) -> list[int]:
+    """The integer batch sizes of every DataLoader in a (nested) collection or ``CombinedLoader``."""
+    if isinstance(loaders, DataLoader):
+        size = getattr(loaders.batch_sampler, "batch_size", None) or loaders.batch_size
+        return [size] if isinstance(size, int) else []
+    if hasattr(loaders, "flattened"):
+        return _batch_sizes(loaders.flattened)
+    if isinstance(loaders, Mapping):
+        return [s for v in loaders.values() for s in _batch_sizes(v)]
+    if isinstance(loaders, (list, tuple)):
+        return [s for v in loaders for s in _batch_sizes(v)]
+    return []
+
+
+_OFFLOAD_TO_CPU = {"offload_optimizer_device": "cpu", "offload_param_device": "cpu"}
+
+
+def _entry(
+    name: str, description: str, dt: DistributedType | None = None, fields: Mapping[str, Any] | None = None
+) -> StrategyEntry:
+    params = {"plugin_fields": dict(fields)} if fields else {}
+    return StrategyEntry(
+        name, AcceleratedDeepSpeedStrategy, FabricAcceleratedDeepSpeedStrategy, description, dt, params
+    )
+
+
+ENTRIES: tuple[StrategyEntry, ...] = (
+    _entry("acc_deepspeed", "DeepSpeed ZeRO on CPU or CUDA, set by deepspeed_plugin", DistributedType.DEEPSPEED),
+    _entry("acc_deepspeed_stage_1", "DeepSpeed ZeRO stage 1 (optimizer state sharded)", None, {"zero_stage": 1}),
+    _entry(
+        "acc_deepspeed_stage_2",
+        "DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded)",
+        None,
+        {"zero_stage": 2},
+    ),
+    _entry("acc_deepspeed_stage_3", "DeepSpeed ZeRO stage 3 (parameters sharded too)", None, {"zero_stage": 3}),
+    _entry(
+        "acc_deepspeed_stage_3_offload",
+        "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to CPU",
+        None,
+        {"zero_stage": 3, **_OFFLOAD_TO_CPU},
+    ),
+)
