@@ -238,7 +238,10 @@ class FSDPFamily:
         ignored_params = {p for m in ignored for p in m.parameters()} if ignored else None
         for child in self._fsdp2_units(module):
             fully_shard(child, **kwargs)
-        fully_shard(module, ignored_params=ignored_params, **kwargs)
+        # torch's own default (None) keeps the root gathered between forward and backward: resharding it there only
+        # buys an extra all-gather, since backward needs its parameters right away.
+        root_reshard = None if kwargs.pop("reshard_after_forward") else False
+        fully_shard(module, ignored_params=ignored_params, reshard_after_forward=root_reshard, **kwargs)
         return module
 
     def _fsdp2_units(self, root: Module) -> list[Module]:
