@@ -5,6 +5,7 @@ checkpoints and resume. Run under ``torch.distributed.run``; each rank saves ``{
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from lightning_accel.strategies import AcceleratedFSDPStrategy
 from lightning_accel.utils import FullyShardedDataParallelPlugin
 from tests.scripts.ddp_parity import Regressor, dataset, network
 
+RUN: dict[str, Any] = {"accelerator": "cpu", "devices": 2}
 FSDP2 = {"fsdp_version": 2}
 FSDP2_UNITS = {"fsdp_version": 2, "auto_wrap_policy": "size_based_wrap", "min_num_params": 100}
 FSDP1_FULL = {"fsdp_version": 1, "state_dict_type": "FULL_STATE_DICT"}
@@ -57,8 +59,8 @@ def fit(options: dict[str, Any] | None, epochs: int, accumulate: int = 1, ckpt_p
     L.seed_everything(42)
     module = Regressor()
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator=RUN["accelerator"],
+        devices=RUN["devices"],
         strategy=strategy(options),
         max_epochs=epochs,
         accumulate_grad_batches=accumulate,
@@ -104,7 +106,7 @@ def fabric(options: dict[str, Any] | None, out: Path, name: str) -> dict[str, An
         if options is None
         else lightning_accel.strategy_for("FSDP", fabric=True, fsdp_plugin=FullyShardedDataParallelPlugin(**options))
     )
-    f = L.Fabric(accelerator="cpu", devices=2, strategy=chosen)
+    f = L.Fabric(accelerator=RUN["accelerator"], devices=RUN["devices"], strategy=chosen)
     f.launch()
     f.seed_everything(42)
     model = f.setup_module(network())
@@ -153,7 +155,10 @@ def fabric_round_trip(f: L.Fabric, model: Any, optimizer: Any, path: Path) -> di
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    out = parser.parse_args().out
+    parser.add_argument("--accelerator", default="cpu")
+    args = parser.parse_args()
+    out = args.out
+    RUN.update(accelerator=args.accelerator, devices=int(os.environ["WORLD_SIZE"]))
     runs: dict[str, Any] = {}
     for name, options in {"ddp": None, "fsdp2": FSDP2, "fsdp2_units": FSDP2_UNITS, "fsdp1": FSDP1_FULL}.items():
         runs[name] = lambda o=options: result(*fit(o, epochs=2), o)
