@@ -378,6 +378,8 @@ class DeepSpeedFamily:
         """Make DeepSpeed's accelerator match ``device`` (it picks CUDA on its own whenever CUDA is present)."""
         from deepspeed.accelerator import get_accelerator, set_accelerator
 
+        if device.type == "cpu":
+            _skip_inference_comm_kernel()
         if get_accelerator().device_name() == device.type:
             return
         if device.type == "cpu":
@@ -488,6 +490,18 @@ class DeepSpeedFamily:
         """Write the gathered weights as ``pytorch_model.bin`` into ``directory`` (collective: call on all ranks)."""
         if self.saves_full_weights:
             engine.save_16bit_model(os.fspath(directory), WEIGHTS_NAME)
+
+
+def _skip_inference_comm_kernel() -> None:
+    """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce kernel when the process group starts.
+
+    The compilation needs a C++ toolchain and takes minutes on a fresh machine, and only DeepSpeed's tensor-parallel
+    inference (``inference_all_reduce``) uses the kernel; ZeRO training talks through ``torch.distributed``.
+    DeepSpeed keeps its table of buildable ops in one dict meant to be edited.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def consolidate_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> dict[str, Tensor]:

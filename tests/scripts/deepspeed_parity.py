@@ -26,6 +26,9 @@ from lightning_accel.strategies.deepspeed import AcceleratedDeepSpeedStrategy, F
 
 EPOCHS = 2
 BATCH = 8
+# tests/scripts/deepspeed_gpu.py reuses run_trainer on one GPU
+ACCELERATOR = "cpu"
+DEVICES = 2
 
 
 def dataset() -> TensorDataset:
@@ -124,8 +127,8 @@ def run_trainer(
     module = Regressor(build_in_configure_model=configure_model)
     record = Record(checkpoint)
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator=ACCELERATOR,
+        devices=DEVICES,
         strategy=strategy,
         max_epochs=EPOCHS,
         logger=False,
@@ -192,9 +195,7 @@ def main() -> None:
         "ddp_accumulate": lambda: run_trainer("ddp", accumulate_grad_batches=4, **accumulate),
         "stage1": lambda: run_trainer("acc_deepspeed_stage_1", checkpoint=ckpt[1]),
         "stage2": lambda: run_trainer(plugin(2), checkpoint=ckpt[2]),
-        "stage3": lambda: run_trainer(
-            plugin(3, zero3_save_16bit_model=True), checkpoint=ckpt[3], configure_model=True
-        ),
+        "stage3": lambda: run_trainer(plugin(3, zero3_save_16bit_model=True), checkpoint=ckpt[3], configure_model=True),
         "stage1_resume": lambda: run_trainer("acc_deepspeed_stage_1", resume=ckpt[1]),
         "stage2_resume": lambda: run_trainer(plugin(2), resume=ckpt[2]),
         "stage3_resume": lambda: run_trainer(
