@@ -23,7 +23,7 @@ def collect_rng_states() -> dict[str, Any]:
     """The python, numpy, torch (CPU) and, where CUDA is available, every CUDA device's RNG state of this process."""
     states: dict[str, Any] = {
         PYTHON_KEY: random.getstate(),
-        NUMPY_KEY: np.random.get_state(),
+        NUMPY_KEY: _numpy_state_as_tensors(),
         TORCH_KEY: torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -43,7 +43,7 @@ def restore_rng_states(states: Mapping[str, Any]) -> None:
     if missing:
         raise ValueError(f"RNG states lack {', '.join(missing)}; got keys {sorted(states)}.")
     random.setstate(states[PYTHON_KEY])
-    np.random.set_state(states[NUMPY_KEY])
+    _set_numpy_state(states[NUMPY_KEY])
     torch.set_rng_state(states[TORCH_KEY])
     if CUDA_KEY in states and torch.cuda.is_available():
         cuda_states = states[CUDA_KEY]
@@ -53,6 +53,23 @@ def restore_rng_states(states: Mapping[str, Any]) -> None:
                 f" {torch.cuda.device_count()}; resume with the same CUDA_VISIBLE_DEVICES."
             )
         torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _numpy_state_as_tensors() -> dict[str, Any]:
+    # Checkpoints are loaded with `weights_only=True`, which refuses numpy arrays: keep only tensors and scalars.
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    return {
+        "bit_generator": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+
+
+def _set_numpy_state(state: Mapping[str, Any]) -> None:
+    keys = state["keys"].numpy().astype(np.uint32)
+    np.random.set_state((state["bit_generator"], keys, state["position"], state["has_gauss"], state["cached_gaussian"]))
 
 
 def gather_rng_states() -> list[dict[str, Any]]:
