@@ -24,6 +24,7 @@ from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGro
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp_core import DDPFamily
 from lightning_accel.strategies.devices import BACKEND_BY_TYPE
+from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -92,7 +93,10 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._family.check_devices(self.parallel_devices)
+        bind_precision(self.precision_plugin, self.parallel_devices)
         super()._configure_launcher()
+
+    precision_plugin = translating(_TrainerDDPStrategy.precision_plugin)
 
     @override
     def setup_distributed(self) -> None:
@@ -157,7 +161,10 @@ class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._family.check_devices(self.parallel_devices)
+        bind_precision(self.precision, self.parallel_devices)
         super()._configure_launcher()
+
+    precision = translating(_FabricDDPStrategy.precision)
 
     @override
     def _setup_distributed(self) -> None:

@@ -101,7 +101,7 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
-        return self._fsdp.wrap(model, self.root_device, self.world_size)
+        return self._fsdp.wrap(model, self.root_device, self.world_size, self.precision_plugin)
 
     @contextmanager
     @override
@@ -234,7 +234,7 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
-        return self._fsdp.wrap(module, self.root_device, self.world_size)
+        return self._fsdp.wrap(module, self.root_device, self.world_size, self.precision)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:

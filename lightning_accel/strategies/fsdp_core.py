@@ -48,8 +48,11 @@ class FSDPFamily:
         """Whether checkpoints hold the full (gathered) state rather than one shard per process."""
         return self.plugin.state_dict_type == "FULL_STATE_DICT"
 
-    def wrap(self, module: Module, device: torch.device, world_size: int) -> Module:
+    def wrap(self, module: Module, device: torch.device, world_size: int, precision: Any = None) -> Module:
         """Shard ``module`` across the default process group; returns the module to train.
+
+        Without a ``mixed_precision_policy`` in the plugin, a mixed-precision ``precision`` plugin (bf16/fp16
+        autocast) also sets FSDP's parameter, reduction and buffer dtypes to its compute dtype, as Accelerate does.
 
         Raises:
             ValueError: If ``cpu_offload`` is requested while training on CPU, where there is nothing to offload.
@@ -62,9 +65,10 @@ class FSDPFamily:
             )
         if self.plugin.activation_checkpointing:
             self._apply_activation_checkpointing(module)
+        mixed_precision = self._mixed_precision(precision)
         if self.version == 1:
-            return self._wrap_fsdp1(module, device)
-        return self._wrap_fsdp2(module, device, world_size)
+            return self._wrap_fsdp1(module, device, mixed_precision)
+        return self._wrap_fsdp2(module, device, world_size, mixed_precision)
 
     @contextmanager
     def no_sync(self, module: Module, enabled: bool = True) -> Generator[None, None, None]:
@@ -196,7 +200,20 @@ class FSDPFamily:
 
         return isinstance(offload, CPUOffloadPolicy) or bool(getattr(offload, "offload_params", False))
 
-    def _wrap_fsdp1(self, module: Module, device: torch.device) -> Module:
+    def _mixed_precision(self, precision: Any) -> Any:
+        """The torch mixed-precision object: the plugin's own, else one derived from the precision plugin."""
+        from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+        if self.plugin.mixed_precision_policy is not None:
+            return self.plugin.torch_mixed_precision()
+        dtype = getattr(precision, "compute_dtype", torch.float32)
+        if getattr(precision, "mode", "true") != "mixed" or dtype == torch.float32:
+            return None
+        if self.version == 1:
+            return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+
+    def _wrap_fsdp1(self, module: Module, device: torch.device, mixed_precision: Any) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         plugin = self.plugin
@@ -210,7 +227,7 @@ class FSDPFamily:
             device_id=device,
             sharding_strategy=plugin.torch_sharding_strategy(),
             cpu_offload=plugin.torch_cpu_offload(),  # type: ignore[arg-type]  # a CPUOffload for fsdp_version=1
-            mixed_precision=plugin.torch_mixed_precision(),  # type: ignore[arg-type]  # a MixedPrecision for v1
+            mixed_precision=mixed_precision,
             auto_wrap_policy=plugin.build_auto_wrap_policy(module),
             backward_prefetch=plugin.torch_backward_prefetch(),
             forward_prefetch=bool(plugin.forward_prefetch),
@@ -221,7 +238,7 @@ class FSDPFamily:
             ignored_modules=self._ignored_modules(module),
         )
 
-    def _wrap_fsdp2(self, module: Module, device: torch.device, world_size: int) -> Module:
+    def _wrap_fsdp2(self, module: Module, device: torch.device, world_size: int, mixed_precision: Any) -> Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -231,9 +248,8 @@ class FSDPFamily:
             "reshard_after_forward": plugin.reshard_after_forward,
             "offload_policy": plugin.torch_cpu_offload(),
         }
-        mp_policy = plugin.torch_mixed_precision()
-        if mp_policy is not None:
-            kwargs["mp_policy"] = mp_policy
+        if mixed_precision is not None:
+            kwargs["mp_policy"] = mixed_precision
         ignored = self._ignored_modules(module)
         ignored_params = {p for m in ignored for p in m.parameters()} if ignored else None
         for child in self._fsdp2_units(module):

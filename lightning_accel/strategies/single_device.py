@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy as _TrainerSingleD
 from typing_extensions import override
 
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
 
 
@@ -72,7 +73,10 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
+        bind_precision(self.precision_plugin, [self._root_device])
         super()._configure_launcher()
+
+    precision_plugin = translating(_TrainerSingleDeviceStrategy.precision_plugin)
 
 
 class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
@@ -102,7 +106,10 @@ class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
+        bind_precision(self.precision, [self._root_device])
         super()._configure_launcher()
+
+    precision = translating(_FabricSingleDeviceStrategy.precision)
 
 
 ENTRIES = (

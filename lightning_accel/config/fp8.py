@@ -1,0 +1,78 @@
+"""Accelerate's FP8 recipe kwargs: ``AORecipeKwargs`` (torchao) and ``TERecipeKwargs`` (Transformer Engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_accel.config.kwargs import KwargsHandler
+
+_FP8_FORMATS = ("HYBRID", "E4M3", "E5M2")
+_AMAX_ALGORITHMS = ("max", "most_recent")
+
+
+@dataclass
+class AORecipeKwargs(KwargsHandler):
+    """torchao float8 training settings.
+
+    Attributes:
+        config: A ``torchao.float8.Float8LinearConfig``; ``None`` uses torchao's default (tensorwise scaling).
+        module_filter_func: ``(module, fqn) -> bool`` choosing the ``nn.Linear`` layers to convert; ``None`` converts
+            every Linear except the first and the last, and those whose dimensions are not multiples of 16.
+        pad_inner_dim: Let torchao pad inner dimensions that are not multiples of 16.
+
+    """
+
+    config: Any = None
+    module_filter_func: Callable[[Any, str], bool] | None = None
+    pad_inner_dim: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.module_filter_func is not None and not callable(self.module_filter_func):
+            raise TypeError(f"module_filter_func must be callable or None, got {self.module_filter_func!r}")
+
+
+@dataclass
+class TERecipeKwargs(KwargsHandler):
+    """Transformer Engine ``DelayedScaling`` recipe settings (defaults are Accelerate's without environment).
+
+    Attributes:
+        use_autocast_during_eval: Keep fp8 autocast on in evaluation.
+        margin: Margin for the scaling factor computation.
+        interval: How often (in steps) the scaling factor is recomputed.
+        fp8_format: ``HYBRID`` (E4M3 forward, E5M2 backward), ``E4M3`` or ``E5M2``.
+        amax_history_len: Length of the amax history window.
+        amax_compute_algo: ``most_recent`` or ``max``.
+        override_linear_precision: Run the ``(fprop, dgrad, wgrad)`` GEMMs in higher precision.
+        use_mxfp8_block_scaling: Use MXFP8 block scaling (Blackwell) instead of delayed scaling.
+
+    """
+
+    use_autocast_during_eval: bool = False
+    margin: int = 0
+    interval: int = 1
+    fp8_format: str = "HYBRID"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "most_recent"
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    use_mxfp8_block_scaling: bool = False
+
+    def __post_init__(self) -> None:
+        self.fp8_format = str(self.fp8_format).upper()
+        if self.fp8_format not in _FP8_FORMATS:
+            raise ValueError(f"fp8_format must be one of {list(_FP8_FORMATS)}, got {self.fp8_format!r}")
+        self.amax_compute_algo = str(self.amax_compute_algo).lower()
+        if self.amax_compute_algo not in _AMAX_ALGORITHMS:
+            raise ValueError(
+                f"amax_compute_algo must be one of {list(_AMAX_ALGORITHMS)}, got {self.amax_compute_algo!r}"
+            )
+        for name in ("margin", "interval", "amax_history_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "margin" else 1):
+                raise ValueError(
+                    f"{name} must be a {'non-negative' if name == 'margin' else 'positive'} int, got {value!r}"
+                )
+        if len(tuple(self.override_linear_precision)) != 3:
+            got = self.override_linear_precision
+            raise ValueError(f"override_linear_precision must be three bools (fprop, dgrad, wgrad), got {got!r}")

@@ -1,0 +1,78 @@
+"""A Lightning precision plugin for every Accelerate ``PrecisionType``: ``no``, ``fp16``, ``bf16`` and ``fp8``.
+
+Each plugin derives from ``lightning.pytorch.plugins.Precision`` and accepts Fabric's call shapes too, so the same
+object works in ``Trainer(plugins=[...])`` and ``Fabric(plugins=[...])``. ``acc_*`` strategies also translate
+Lightning's precision strings (``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``, ``"bf16-true"``, ``"16-true"``) into
+these plugins (see :func:`from_lightning`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_accel.enums import PrecisionType
+from lightning_accel.precision.base import AcceleratePrecision
+from lightning_accel.precision.fp8 import FP8Precision
+from lightning_accel.precision.plugins import BF16Precision, FP16Precision, FP32Precision
+
+_BY_TYPE: dict[PrecisionType, type[AcceleratePrecision]] = {
+    PrecisionType.NO: FP32Precision,
+    PrecisionType.FP16: FP16Precision,
+    PrecisionType.BF16: BF16Precision,
+    PrecisionType.FP8: FP8Precision,
+}
+
+
+def precision_plugin(precision: PrecisionType | str, **kwargs: Any) -> AcceleratePrecision:
+    """Build the plugin for an Accelerate precision name.
+
+    Args:
+        precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (or the ``PrecisionType``).
+        **kwargs: Passed to the plugin, e.g. ``scaler_kwargs=GradScalerKwargs(...)`` or ``backend="te"``.
+
+    Raises:
+        ValueError: For any other name (the message lists the valid ones).
+
+    """
+    if str(precision) not in PrecisionType:
+        raise ValueError(f"Unknown precision {str(precision)!r}; expected one of {PrecisionType.list()}.")
+    return _BY_TYPE[PrecisionType(str(precision))](**kwargs)
+
+
+def from_lightning(plugin: Any) -> Any:
+    """Translate a plugin Lightning built from its precision string into this package's equivalent.
+
+    ``Precision()`` ("32-true") becomes :class:`FP32Precision`, ``MixedPrecision`` ("16-mixed"/"bf16-mixed") becomes
+    :class:`FP16Precision`/:class:`BF16Precision` on the same device, ``HalfPrecision`` ("16-true"/"bf16-true") becomes
+    the ``mode="true"`` variant. Anything else (this package's plugins, double precision, a user's own) is kept.
+    """
+    from lightning.fabric.plugins import precision as fabric
+    from lightning.pytorch.plugins import precision as trainer
+
+    kind = type(plugin)
+    if kind in (trainer.Precision, fabric.Precision):
+        return FP32Precision()
+    if kind in (trainer.MixedPrecision, fabric.MixedPrecision):
+        cls = BF16Precision if plugin.precision == "bf16-mixed" else FP16Precision
+        return cls(device=plugin.device)
+    if kind in (trainer.HalfPrecision, fabric.HalfPrecision):
+        return BF16Precision(mode="true") if plugin.precision == "bf16-true" else FP16Precision(mode="true")
+    return plugin
+
+
+def bind_device(plugin: Any, device_type: str) -> None:
+    """Tell an unbound plugin of this package which device type it runs on (validating the combination)."""
+    if isinstance(plugin, AcceleratePrecision) and plugin.device != device_type:
+        plugin.bind(device_type)
+
+
+__all__ = [
+    "AcceleratePrecision",
+    "BF16Precision",
+    "FP8Precision",
+    "FP16Precision",
+    "FP32Precision",
+    "bind_device",
+    "from_lightning",
+    "precision_plugin",
+]

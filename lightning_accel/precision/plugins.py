@@ -1,0 +1,98 @@
+"""Precision plugins for Accelerate's ``no``, ``fp16`` and ``bf16``."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_accel.config import AutocastKwargs, GradScalerKwargs
+from lightning_accel.precision.base import AcceleratePrecision, Mode
+
+
+class FP32Precision(AcceleratePrecision):
+    """Full precision (Accelerate's ``no``).
+
+    Args:
+        tf32: Let float32 matmuls use TensorFloat-32 on GPUs that have it (``torch.set_float32_matmul_precision``).
+
+    """
+
+    precision_type = "no"
+
+    def __init__(self, tf32: bool = False) -> None:
+        super().__init__(torch.float32)
+        self.tf32 = tf32
+        if tf32:
+            torch.set_float32_matmul_precision("high")
+
+
+class BF16Precision(AcceleratePrecision):
+    """bfloat16 (Accelerate's ``bf16``): autocast on CPU or GPU, or the whole model in bf16 with ``mode="true"``.
+
+    Args:
+        mode: ``"mixed"`` (autocast, fp32 weights) or ``"true"`` (bf16 weights).
+        device: The device type; ``None`` lets the strategy set it.
+        autocast_kwargs: Accelerate's ``AutocastKwargs``.
+
+    """
+
+    precision_type = "bf16"
+
+    def __init__(
+        self, mode: Mode = "mixed", device: str | None = None, autocast_kwargs: AutocastKwargs | None = None
+    ) -> None:
+        super().__init__(torch.bfloat16, mode=mode, device=device, autocast_kwargs=autocast_kwargs)
+
+    def check_device(self, device_type: str) -> None:
+        """bf16 runs on CPU; on CUDA it needs a GPU with bf16 support (Ampere or newer).
+
+        Raises:
+            ValueError: On a GPU without bf16 support.
+
+        """
+        if device_type == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise ValueError(
+                f"bf16 needs a GPU with bfloat16 support, but {torch.cuda.get_device_name()} has none."
+                " Use fp16 (mixed_precision='fp16' / precision='16-mixed') on this GPU."
+            )
+
+
+class FP16Precision(AcceleratePrecision):
+    """float16 (Accelerate's ``fp16``): autocast with a gradient scaler, or the whole model in fp16.
+
+    Args:
+        mode: ``"mixed"`` (autocast, fp32 weights, loss scaling) or ``"true"`` (fp16 weights, no scaler).
+        device: The device type; ``None`` lets the strategy set it.
+        autocast_kwargs: Accelerate's ``AutocastKwargs``.
+        scaler_kwargs: Accelerate's ``GradScalerKwargs`` (initial scale, growth, backoff, interval, enabled).
+
+    """
+
+    precision_type = "fp16"
+
+    def __init__(
+        self,
+        mode: Mode = "mixed",
+        device: str | None = None,
+        autocast_kwargs: AutocastKwargs | None = None,
+        scaler_kwargs: GradScalerKwargs | None = None,
+    ) -> None:
+        super().__init__(
+            torch.float16,
+            mode=mode,
+            device=device,
+            autocast_kwargs=autocast_kwargs,
+            scaler_kwargs=(scaler_kwargs or GradScalerKwargs()) if mode == "mixed" else None,
+        )
+
+    def check_device(self, device_type: str) -> None:
+        """fp16 mixed precision needs a GPU.
+
+        Raises:
+            ValueError: On CPU, where torch's fp16 autocast gives no speed-up and Accelerate silently trains in fp32.
+
+        """
+        if device_type == "cpu" and self.mode == "mixed":
+            raise ValueError(
+                "fp16 mixed precision needs a GPU, but this run trains on CPU. Use bf16 on CPU"
+                " (mixed_precision='bf16', or Trainer(precision='bf16-mixed'))."
+            )
