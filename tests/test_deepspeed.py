@@ -242,7 +242,7 @@ def assert_same_run(ours: list[dict[str, Any]], reference: list[dict[str, Any]],
             torch.testing.assert_close(value, b["weights"][prefix + key], rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_matches_lightning_ddp(results: dict[str, list[dict[str, Any]]], stage: int) -> None:
     ours = results[f"stage{stage}"]
     assert [r["strategy_class"] for r in ours] == ["AcceleratedDeepSpeedStrategy"] * 2
@@ -256,7 +256,7 @@ def test_stage3_shards_parameters_and_stages_1_2_do_not(results: dict[str, list[
     for rank in results["stage3"]:
         assert rank["local_numel"] <= math.ceil(rank["full_numel"] / 2) + 4  # 4 tensors, each rounded up
         assert rank["local_numel"] >= rank["full_numel"] / 2
-    for stage in ("stage1", "stage2"):
+    for stage in ("stage0", "stage1", "stage2"):
         assert all(r["local_numel"] == r["full_numel"] for r in results[stage])
 
 
@@ -308,22 +308,22 @@ def test_conflicts_raise_in_the_trainer(results: dict[str, list[dict[str, Any]]]
         assert expected in rank["error"]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_checkpoint_consolidates_into_a_plain_module(
     run: tuple[dict[str, list[dict[str, Any]]], Path], stage: int
 ) -> None:
     results, out = run
     directory = out / f"stage{stage}.ckpt"
-    # Stage 3 was saved with zero3_save_16bit_model=True (gathered weights); stages 1 and 2 only have their shards.
+    # Stage 3 was saved with zero3_save_16bit_model=True (gathered weights); stages 0-2 only have DeepSpeed's files.
     assert (directory / "pytorch_model.bin").is_file() is (stage == 3)
     state = consolidate_deepspeed_checkpoint(directory)
     saved = results[f"stage{stage}"][0]["saved_weights"]
     assert state.keys() == saved.keys()
     for key, value in saved.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=0)
-    plain = nn.Module()
-    plain.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
-    plain.load_state_dict(state, strict=True)
+    plain = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    plain.load_state_dict(consolidate_deepspeed_checkpoint(directory, prefix="net."), strict=True)
+    torch.testing.assert_close(plain[0].weight, saved["net.0.weight"], rtol=0, atol=0)
 
 
 def test_fabric_checkpoint_consolidates(run: tuple[dict[str, list[dict[str, Any]]], Path]) -> None:
@@ -354,3 +354,14 @@ def test_one_gpu_stages_match_ddp_and_resume(tmp_path: Path) -> None:
             torch.testing.assert_close(value, reference["weights"][key], rtol=0, atol=1e-5)
         resumed = found[f"stage{stage}_resume"]
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(ours["losses"][6:]), rtol=0, atol=1e-6)
+
+
+def test_optimizer_and_scheduler_declared_in_the_config(results: dict[str, list[dict[str, Any]]]) -> None:
+    rank0 = results["declared_optimizer"][0]
+    assert rank0["basic_optimizer"] == "AdamW"  # built by DeepSpeed from the config, not configure_optimizers' SGD
+    assert all(math.isfinite(loss) for loss in rank0["losses"])
+    lrs = rank0["lrs"]
+    # warmup_max_lr came from configure_optimizers (0.5); Lightning steps the scheduler once per optimizer step.
+    assert lrs == sorted(lrs)
+    assert lrs[0] < 0.5 and lrs[-1] == 0.5
+    assert len(set(lrs)) >= 4

@@ -504,7 +504,9 @@ def _skip_inference_comm_kernel() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def consolidate_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> dict[str, Tensor]:
+def consolidate_deepspeed_checkpoint(
+    path: str | os.PathLike[str], tag: str | None = None, prefix: str = ""
+) -> dict[str, Tensor]:
     """Turn a DeepSpeed checkpoint directory into one full state dict for a plain ``nn.Module``.
 
     Works in a single process, without the strategy. It reads ``pytorch_model.bin`` when the checkpoint has one
@@ -514,17 +516,29 @@ def consolidate_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | No
     Args:
         path: The directory ``trainer.save_checkpoint`` (or ``fabric.save``) wrote.
         tag: The DeepSpeed tag (sub-directory) to read; by default the one named in the ``latest`` file.
+        prefix: Keep only the keys starting with this prefix and strip it, e.g. ``"net."`` to load a
+            LightningModule's ``self.net`` into a plain module.
 
     Returns:
         Parameter and buffer names of the trained module (the LightningModule for the Trainer) mapped to tensors.
 
     Raises:
         FileNotFoundError: If ``path`` is not a DeepSpeed checkpoint directory.
+        KeyError: If no key starts with ``prefix``.
 
     """
-    root = Path(path)
+    state = _read_deepspeed_checkpoint(Path(path), tag)
+    if not prefix:
+        return state
+    selected = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    if not selected:
+        raise KeyError(f"No key of the checkpoint starts with prefix {prefix!r}; keys look like {next(iter(state))!r}.")
+    return selected
+
+
+def _read_deepspeed_checkpoint(root: Path, tag: str | None) -> dict[str, Tensor]:
     full = root / WEIGHTS_NAME
-    if full.is_file():
+    if full.is_file() and tag is None:
         return dict(torch.load(full, map_location="cpu", weights_only=True))
     if not (root / "latest").is_file() and tag is None:
         raise FileNotFoundError(

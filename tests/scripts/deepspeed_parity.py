@@ -95,7 +95,9 @@ class Record(L.Callback):
             full_numel=sum(getattr(p, "ds_numel", p.numel()) for p in params),
         )
         if hasattr(engine, "zero_optimization_stage"):
+            optimizer = trainer.optimizers[0]
             self.facts.update(
+                basic_optimizer=type(getattr(optimizer, "optimizer", optimizer)).__name__,
                 engine_class=type(engine).__name__,
                 zero_stage=engine.zero_optimization_stage(),
                 engine_accumulation=engine.gradient_accumulation_steps(),
@@ -103,6 +105,9 @@ class Record(L.Callback):
                 engine_micro_batch=engine.train_micro_batch_size_per_gpu(),
                 engine_train_batch=engine.train_batch_size(),
             )
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.facts.setdefault("lrs", []).append(trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.checkpoint is not None and trainer.current_epoch == 0:
@@ -124,13 +129,13 @@ def run_trainer(
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     L.seed_everything(42)
+    trainer_kwargs.setdefault("max_epochs", EPOCHS)
     module = Regressor(build_in_configure_model=configure_model)
     record = Record(checkpoint)
     trainer = L.Trainer(
         accelerator=ACCELERATOR,
         devices=DEVICES,
         strategy=strategy,
-        max_epochs=EPOCHS,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -179,6 +184,17 @@ def expect_error(make: Callable[[], Any]) -> dict[str, Any]:
     return {"error_type": None, "error": ""}
 
 
+# The optimizer and scheduler come from the config; their "auto" values from configure_optimizers (lr 0.5, no decay).
+DECLARED = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 4, "warmup_type": "linear"},
+    },
+    "zero_optimization": {"stage": 2},
+}
+
+
 def plugin(stage: int, **fields: Any) -> AcceleratedDeepSpeedStrategy:
     return AcceleratedDeepSpeedStrategy(DeepSpeedPlugin(zero_stage=stage, **fields))
 
@@ -188,11 +204,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     out: Path = args.out
-    ckpt = {stage: out / f"stage{stage}.ckpt" for stage in (1, 2, 3)}
+    ckpt = {stage: out / f"stage{stage}.ckpt" for stage in (0, 1, 2, 3)}
     accumulate = {"gradient_clip_val": 0.05}
     variants: dict[str, Callable[[], dict[str, Any]]] = {
         "ddp": lambda: run_trainer("ddp"),
         "ddp_accumulate": lambda: run_trainer("ddp", accumulate_grad_batches=4, **accumulate),
+        "stage0": lambda: run_trainer(plugin(0), checkpoint=ckpt[0]),
         "stage1": lambda: run_trainer("acc_deepspeed_stage_1", checkpoint=ckpt[1]),
         "stage2": lambda: run_trainer(plugin(2), checkpoint=ckpt[2]),
         "stage3": lambda: run_trainer(plugin(3, zero3_save_16bit_model=True), checkpoint=ckpt[3], configure_model=True),
@@ -203,6 +220,7 @@ def main() -> None:
         ),
         # accumulation from the plugin (the Trainer keeps its default 1), clipping from the Trainer ("auto")
         "stage2_accumulate": lambda: run_trainer(plugin(2, gradient_accumulation_steps=4), **accumulate),
+        "declared_optimizer": lambda: run_trainer(plugin(2, hf_ds_config=DECLARED), max_epochs=1),
         "fabric_stage3": lambda: run_fabric(
             FabricAcceleratedDeepSpeedStrategy(DeepSpeedPlugin(zero_stage=3)), out / "fabric_stage3.ckpt"
         ),
