@@ -173,13 +173,41 @@ def test_accumulation_leaves_the_trainer_as_it_found_it() -> None:
     module = Recorder()
     callback = GradientAccumulation(2, sync_each_batch=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy="acc_no", max_epochs=1, logger=False, callbacks=[callback]
+        accelerator="cpu",
+        devices=1,
+        strategy="acc_no",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[callback],
     )
     trainer.fit(module, DataLoader(samples(), batch_size=2))
     assert trainer.accumulate_grad_batches == 1
     assert "_should_accumulate" not in vars(trainer.fit_loop.epoch_loop)
     assert "_make_zero_grad_fn" not in vars(trainer.fit_loop.epoch_loop.automatic_optimization)
     assert "block_backward_sync" not in vars(trainer.strategy)
+
+
+def test_callbacks_undo_their_patches_when_fit_raises() -> None:
+    class Crashes(Recorder):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 2:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="acc_no",
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[GradientAccumulation(2), SeedableSampler(0)],
+    )
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Crashes(), DataLoader(samples(), batch_size=2, shuffle=True))
+    assert trainer.accumulate_grad_batches == 1
+    assert "_should_accumulate" not in vars(trainer.fit_loop.epoch_loop)
+    assert "process_dataloader" not in vars(trainer.strategy)
 
 
 def test_accumulation_refuses_a_second_accumulation_setting_and_manual_optimization() -> None:
@@ -192,7 +220,12 @@ def test_accumulation_refuses_a_second_accumulation_setting_and_manual_optimizat
             self.automatic_optimization = False
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy="acc_no", logger=False, callbacks=[GradientAccumulation(2)]
+        accelerator="cpu",
+        devices=1,
+        strategy="acc_no",
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[GradientAccumulation(2)],
     )
     with pytest.raises(ValueError, match="automatic_optimization is False"):
         trainer.fit(Manual(), DataLoader(samples(), batch_size=2))

@@ -136,7 +136,7 @@ class GradientAccumulation(Callback):
         self.sync_with_dataloader = sync_with_dataloader
         self.sync_each_batch = sync_each_batch
         self._patches: list[InstancePatch] = []
-        self._accumulate_before_fit = 1
+        self._accumulate_before_fit: int | None = None
         self._warned_unknown_length = False
 
     @classmethod
@@ -200,11 +200,20 @@ class GradientAccumulation(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._uninstall(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning skips the teardown hooks when fit raises.
+        self._uninstall(trainer)
+
+    def _uninstall(self, trainer: pl.Trainer) -> None:
         while self._patches:
             self._patches.pop().restore()
-        trainer.accumulate_grad_batches = self._accumulate_before_fit
+        if self._accumulate_before_fit is not None:
+            trainer.accumulate_grad_batches = self._accumulate_before_fit
+            self._accumulate_before_fit = None
 
     def _plan(self, trainer: pl.Trainer) -> MicroBatch:
         """The plan for the batch Lightning is processing (the last one made ready)."""

@@ -60,7 +60,7 @@ def _numpy_state_as_tensors() -> dict[str, Any]:
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     return {
         "bit_generator": name,
-        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
         "position": int(position),
         "has_gauss": int(has_gauss),
         "cached_gaussian": float(cached_gaussian),

@@ -258,7 +258,16 @@ class SeedableSampler(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self._patch is not None:
+        if stage == "fit":
+            self._uninstall()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning skips the teardown hooks when fit raises.
+        self._uninstall()
+
+    def _uninstall(self) -> None:
+        if self._patch is not None:
             self._patch.restore()
             self._patch = None
 
