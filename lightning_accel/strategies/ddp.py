@@ -20,12 +20,13 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp_core import DDPFamily
 from lightning_accel.strategies.devices import BACKEND_BY_TYPE
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.compile import apply_dynamo
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -38,6 +39,7 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
             from the accelerator's devices.
         ddp_kwargs: Arguments for ``DistributedDataParallel`` and the communication hook to register.
         init_kwargs: Process-group options (collective backend, init method, timeout).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before it is wrapped.
         strategy_name: The name shown in messages (set by the registry).
         accelerator: Passed to Lightning.
         parallel_devices: Passed to Lightning.
@@ -65,6 +67,7 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
         *,
         ddp_kwargs: DistributedDataParallelKwargs | None = None,
         init_kwargs: InitProcessGroupKwargs | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         strategy_name: str = "acc_ddp",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -74,6 +77,7 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
         start_method: _StartMethod = "popen",
     ) -> None:
         self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs)
+        self._dynamo_plugin = dynamo_plugin
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -114,7 +118,7 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        return self._family.wrap(model, self.determine_ddp_device_ids())
+        return self._family.wrap(apply_dynamo(model, self._dynamo_plugin), self.determine_ddp_device_ids())
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -133,6 +137,7 @@ class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
         *,
         ddp_kwargs: DistributedDataParallelKwargs | None = None,
         init_kwargs: InitProcessGroupKwargs | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         strategy_name: str = "acc_ddp",
         accelerator: FabricAccelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -142,6 +147,7 @@ class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
         start_method: _StartMethod = "popen",
     ) -> None:
         self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs)
+        self._dynamo_plugin = dynamo_plugin
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -179,7 +185,7 @@ class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        return self._family.wrap(module, self._determine_ddp_device_ids())
+        return self._family.wrap(apply_dynamo(module, self._dynamo_plugin), self._determine_ddp_device_ids())
 
 
 def _entries() -> tuple[StrategyEntry, ...]:

@@ -24,11 +24,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp_core import FSDPFamily
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.compile import apply_dynamo
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -40,6 +41,7 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
         fsdp_plugin: Accelerate's FSDP settings (version, resharding, auto-wrap policy, offload, mixed precision,
             state-dict type, ...). ``None`` means FSDP2 with full sharding and sharded checkpoints.
         init_kwargs: Process-group options (collective backend, init method, timeout).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before it is sharded.
         strategy_name: The name shown in messages (set by the registry).
         accelerator: Passed to Lightning.
         parallel_devices: Passed to Lightning.
@@ -59,6 +61,7 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         *,
         init_kwargs: InitProcessGroupKwargs | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         strategy_name: str = "acc_fsdp",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -70,6 +73,7 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
         self._fsdp = FSDPFamily(fsdp_plugin)
         super().__init__(
             init_kwargs=init_kwargs,
+            dynamo_plugin=dynamo_plugin,
             strategy_name=strategy_name,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -101,6 +105,7 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
+        model = apply_dynamo(model, self._dynamo_plugin)
         return self._fsdp.wrap(model, self.root_device, self.world_size, self.precision_plugin)
 
     @contextmanager
@@ -196,6 +201,7 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         *,
         init_kwargs: InitProcessGroupKwargs | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         strategy_name: str = "acc_fsdp",
         accelerator: FabricAccelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -207,6 +213,7 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
         self._fsdp = FSDPFamily(fsdp_plugin)
         super().__init__(
             init_kwargs=init_kwargs,
+            dynamo_plugin=dynamo_plugin,
             strategy_name=strategy_name,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -234,6 +241,7 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
+        module = apply_dynamo(module, self._dynamo_plugin)
         return self._fsdp.wrap(module, self.root_device, self.world_size, self.precision)
 
     @override

@@ -9,14 +9,18 @@ from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies import SingleDeviceStrategy as _FabricSingleDeviceStrategy
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy as _TrainerSingleDeviceStrategy
+from torch.nn import Module
 from typing_extensions import override
 
+from lightning_accel.config import TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.compile import apply_dynamo
 
 
 def _pick_device(
@@ -41,6 +45,7 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
 
     Args:
         device: The device to use. ``None`` takes the device the Trainer's ``accelerator``/``devices`` select.
+        dynamo_plugin: ``torch.compile`` settings applied to the model at setup.
         strategy_name: The name shown in messages (set by the registry).
         accelerator: Passed to Lightning.
         checkpoint_io: Passed to Lightning.
@@ -54,6 +59,7 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
         self,
         device: torch.device | str | int | None = None,
         *,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         strategy_name: str = "acc_no",
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -66,6 +72,7 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
             precision_plugin=precision_plugin,
         )
         self._strategy_name = strategy_name
+        self._dynamo_plugin = dynamo_plugin
         self._explicit_device = None if device is None else self._root_device
         # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
         self.parallel_devices: list[torch.device] | None = None
@@ -78,6 +85,12 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
 
     precision_plugin = translating(_TrainerSingleDeviceStrategy.precision_plugin)
 
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None
+        self.model = apply_dynamo(self.model, self._dynamo_plugin)
+        super().setup(trainer)
+
 
 class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
     """Fabric twin of :class:`AcceleratedSingleDeviceStrategy` (``precision`` instead of ``precision_plugin``)."""
@@ -88,6 +101,7 @@ class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
         self,
         device: torch.device | str | int | None = None,
         *,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         strategy_name: str = "acc_no",
         accelerator: FabricAccelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -100,6 +114,7 @@ class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
             precision=precision,
         )
         self._strategy_name = strategy_name
+        self._dynamo_plugin = dynamo_plugin
         self._explicit_device = None if device is None else self._root_device
         self.parallel_devices: list[torch.device] | None = None
 
@@ -110,6 +125,10 @@ class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
         super()._configure_launcher()
 
     precision = translating(_FabricSingleDeviceStrategy.precision)
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        return super().setup_module(apply_dynamo(module, self._dynamo_plugin))
 
 
 ENTRIES = (
