@@ -84,7 +84,10 @@ class GradientAccumulation(Callback):
     * the loss is divided by the true size of the current window, so a short last window (5 batches with
       ``num_steps=2`` end with a window of 1) is not scaled down by ``num_steps``. Accelerate 1.15 divides by
       ``num_steps`` there, like Lightning; both are off by ``window/num_steps`` for that step, which this fixes;
-    * ``sync_each_batch=True`` synchronises gradients on every micro-batch (less memory, more communication);
+    * ``sync_each_batch=True`` synchronises gradients on every micro-batch (less memory, more communication) by
+      replacing the strategy's ``block_backward_sync`` with a no-op for the fit (DDP, FSDP1, FSDP2; under
+      ``acc_deepspeed``, whose ``block_backward_sync`` also marks DeepSpeed's accumulation boundary, every
+      micro-batch then reaches that boundary);
     * under a strategy that accumulates itself (``strategy.handles_gradient_accumulation``, e.g. DeepSpeed),
       ``num_steps`` is handed to it through ``trainer.accumulate_grad_batches`` in :meth:`setup`, before the
       strategy builds its engine, instead of being refused as Lightning's ``GradientAccumulationScheduler`` does.
@@ -275,12 +278,15 @@ class GradientAccumulation(Callback):
 
 
 def _check_compatible(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    callbacks = getattr(trainer, "callbacks", ())
+    if sum(isinstance(cb, GradientAccumulation) for cb in callbacks) > 1:
+        raise ValueError("The Trainer has more than one GradientAccumulation callback; keep one.")
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and the GradientAccumulation"
             " callback both set gradient accumulation; remove `accumulate_grad_batches` from the Trainer."
         )
-    if any(isinstance(cb, GradientAccumulationScheduler) for cb in getattr(trainer, "callbacks", ())):
+    if any(isinstance(cb, GradientAccumulationScheduler) for cb in callbacks):
         raise ValueError(
             "GradientAccumulation and Lightning's GradientAccumulationScheduler both set gradient accumulation;"
             " keep only one of them."

@@ -223,6 +223,8 @@ class SeedableSampler(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if sum(isinstance(cb, SeedableSampler) for cb in getattr(trainer, "callbacks", ())) > 1:
+            raise ValueError("The Trainer has more than one SeedableSampler callback; keep one.")
         if self._seed is None:
             self._seed = int(trainer.strategy.broadcast(torch.initial_seed() % 2**63, src=0))
         original = trainer.strategy.process_dataloader
