@@ -346,6 +346,46 @@ def test_checkpoint_every_n_epochs(tmp_path: Path) -> None:
     assert state["iteration"] == 2 and len(state["rng_states"]) == 1
 
 
+class DropoutRecorder(Recorder):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, index = batch
+        return super().training_step((nn.functional.dropout(x, 0.5, self.training), y, index), batch_idx)
+
+
+def fit_three_epochs(
+    project: Path, ckpt_path: str | None = None, **trainer_kwargs: Any
+) -> tuple[DropoutRecorder, L.Trainer]:
+    torch.manual_seed(0)
+    module = DropoutRecorder()
+    callbacks = [
+        GradientAccumulation(2),
+        SeedableSampler(8),
+        rotation(project, every_n_train_steps=None, every_n_epochs=1),
+    ]
+    trainer_kwargs.setdefault("max_epochs", 3)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="acc_no",
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, DataLoader(samples(), batch_size=2, shuffle=True), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def test_resume_from_an_epoch_end_checkpoint_is_exact_in_one_process(tmp_path: Path) -> None:
+    uninterrupted, _ = fit_three_epochs(tmp_path / "full")
+    fit_three_epochs(tmp_path / "stopped", max_epochs=1)
+    resumed, trainer = fit_three_epochs(tmp_path / "stopped", "last")
+    assert trainer.ckpt_path == str(tmp_path / "stopped" / "checkpoints" / "checkpoint_0")
+    assert resumed.seen == uninterrupted.seen[5:]
+    for name, value in uninterrupted.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+
+
 def test_fresh_run_in_a_used_project_dir_refuses_to_overwrite(tmp_path: Path) -> None:
     fit([rotation(tmp_path)], max_steps=1)
     with pytest.raises(ValueError, match="checkpoint_0 already exists"):
