@@ -5,6 +5,7 @@ They are plain data: they validate their fields in ``__post_init__`` and never r
 
 from lightning_accel.config.deepspeed import DeepSpeedPlugin
 from lightning_accel.config.dynamo import TorchDynamoPlugin
+from lightning_accel.config.file import AccelerateConfig, load_config, write_basic_config
 from lightning_accel.config.fsdp import FullyShardedDataParallelPlugin
 from lightning_accel.config.kwargs import (
     AutocastKwargs,
@@ -18,6 +19,7 @@ from lightning_accel.config.project import DataLoaderConfiguration, GradientAccu
 from lightning_accel.config.quantization import BnbQuantizationConfig
 
 __all__ = [
+    "AccelerateConfig",
     "AutocastKwargs",
     "BnbQuantizationConfig",
     "DataLoaderConfiguration",
@@ -31,4 +33,6 @@ __all__ = [
     "MegatronLMPlugin",
     "ProjectConfiguration",
     "TorchDynamoPlugin",
+    "load_config",
+    "write_basic_config",
 ]

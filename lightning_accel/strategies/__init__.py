@@ -4,7 +4,7 @@ Each family module (``single_device``, ``ddp``, ...) lists its names in ``ENTRIE
 to the name table, and :func:`register_strategies` copies the table into Lightning's registries.
 """
 
-from lightning_accel.strategies import ddp, deepspeed, fsdp, single_device
+from lightning_accel.strategies import auto, ddp, deepspeed, fsdp, single_device
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp import AcceleratedFSDPStrategy, FabricAcceleratedFSDPStrategy
 from lightning_accel.strategies.registry import (
@@ -20,7 +20,7 @@ from lightning_accel.strategies.single_device import (
     FabricAcceleratedSingleDeviceStrategy,
 )
 
-for _family in (single_device, ddp, fsdp, deepspeed):
+for _family in (single_device, ddp, fsdp, deepspeed, auto):
     for _entry in _family.ENTRIES:
         add_entry(_entry)
 

@@ -1,0 +1,230 @@
+"""Flat settings (see :mod:`lightning_accel.config._settings`) to ``lightning.Trainer`` and ``Accelerator`` arguments.
+
+Strategies come from the registry (:func:`lightning_accel.strategies.strategy_for`), which also raises the error for
+types that have no strategy yet. A ``distributed_type`` of ``None`` means "data parallel on whatever devices the
+accelerator gives" (``acc_ddp``): the environment of a multi-process launch that names no type.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from lightning_accel.config._settings import PLUGIN_BY_TYPE, build_dynamo_plugin, section_settings
+from lightning_accel.enums import DistributedType, PrecisionType
+
+if TYPE_CHECKING:
+    from lightning_accel.strategies.registry import StrategyEntry
+
+_LIGHTNING_PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+_DATA_PARALLEL_ON_ANY_DEVICE = "acc_ddp"
+
+
+def lightning_precision(mixed_precision: str | None) -> str:
+    """The Trainer ``precision`` for Accelerate's ``mixed_precision`` (``None`` means ``"no"``).
+
+    This is the one place that maps precisions; it gives Lightning's built-in precision names until lightning_accel's
+    precision plugins replace them.
+
+    Raises:
+        ValueError: For ``"fp8"``, which needs the FP8 precision plugins, or an unknown value.
+
+    """
+    value = PrecisionType.NO.value if mixed_precision is None else str(mixed_precision).lower()
+    if value == PrecisionType.FP8.value:
+        raise ValueError(
+            "mixed_precision 'fp8' needs lightning_accel's FP8 precision plugins, which are not implemented yet; "
+            "use 'bf16' or 'fp16' for now"
+        )
+    if value not in _LIGHTNING_PRECISION:
+        raise ValueError(f"mixed_precision must be one of {PrecisionType.list()}, got {mixed_precision!r}")
+    return _LIGHTNING_PRECISION[value]
+
+
+def distributed_type(settings: Mapping[str, Any]) -> DistributedType | None:
+    """The configured type; ``NO`` when none is given, ``None`` for data parallel on the accelerator's devices."""
+    return settings.get("distributed_type", DistributedType.NO)
+
+
+def processes_per_node(settings: Mapping[str, Any]) -> int:
+    """``num_processes // num_machines``, checked.
+
+    Raises:
+        ValueError: If ``num_processes`` is ``-1`` (unknown), not a multiple of ``num_machines``, or above 1 with
+            ``distributed_type: NO``.
+
+    """
+    total = settings.get("num_processes", 1)
+    machines = settings.get("num_machines", 1)
+    if total is None or total < 1:
+        raise ValueError(
+            f"num_processes is {total}: set it in the config file or pass `--num_processes` to lightning-accel launch"
+        )
+    if total % machines:
+        raise ValueError(f"num_processes ({total}) must be a multiple of num_machines ({machines})")
+    per_node = total // machines
+    if per_node > 1 and distributed_type(settings) == DistributedType.NO:
+        raise ValueError(
+            f"distributed_type NO runs one process per machine, but num_processes is {total} on {machines} "
+            "machine(s); use MULTI_CPU / MULTI_GPU (or `--cpu` / `--multi_gpu`), FSDP or DEEPSPEED"
+        )
+    return per_node
+
+
+def accelerator_name(settings: Mapping[str, Any]) -> str:
+    """The Trainer ``accelerator``: ``"cpu"`` with ``use_cpu``, the type's device for ``MULTI_*``, else ``"auto"``.
+
+    Raises:
+        ValueError: If ``use_cpu`` is set with a type that trains on another device (``MULTI_GPU``, ...).
+
+    """
+    from lightning_accel.strategies.devices import BACKEND_BY_TYPE
+
+    dtype = distributed_type(settings)
+    backend = BACKEND_BY_TYPE.get(dtype) if dtype is not None else None
+    if settings.get("use_cpu"):
+        if backend is not None and backend.device_type != "cpu":
+            raise ValueError(
+                f"use_cpu is true, but distributed_type {backend.distributed_type.value} trains on "
+                f"{backend.device_type!r} devices; use MULTI_CPU (or set use_cpu: false)"
+            )
+        return "cpu"
+    return backend.device_type if backend is not None else "auto"
+
+
+def check_supported(settings: Mapping[str, Any]) -> None:
+    """Refuse settings no lightning_accel strategy implements yet.
+
+    Raises:
+        ValueError: If a ``parallelism_config`` is set.
+
+    """
+    given = [s.key for s in section_settings("parallelism_config") if s.name in settings]
+    if given:
+        raise ValueError(
+            f"parallelism_config ({', '.join(given)}) is not supported by lightning_accel yet: no strategy builds "
+            "Accelerate's ParallelismConfig device mesh; remove the section"
+        )
+
+
+def strategy_entry(settings: Mapping[str, Any]) -> StrategyEntry:
+    """The registry entry of the settings' strategy (``acc_ddp`` for a ``None`` type).
+
+    Raises:
+        ValueError: If lightning_accel has no strategy for the type yet.
+
+    """
+    from lightning_accel.strategies.registry import entries, entry_for
+
+    dtype = distributed_type(settings)
+    if dtype is None:
+        return next(e for e in entries() if e.name == _DATA_PARALLEL_ON_ANY_DEVICE)
+    return entry_for(dtype)
+
+
+def strategy_options(settings: Mapping[str, Any], *, fabric: bool = False, **options: Any) -> dict[str, Any]:
+    """The arguments the settings give the strategy: the type's plugin and, when compiling, ``dynamo_plugin``.
+
+    ``options`` are kept as given and win over the settings.
+
+    Raises:
+        ValueError: See :func:`build_strategy`.
+
+    """
+    check_supported(settings)
+    entry = strategy_entry(settings)  # the "no strategy for this type yet" error comes before any plugin is built
+    dtype = distributed_type(settings)
+    plugin = PLUGIN_BY_TYPE.get(dtype) if dtype is not None else None
+    if plugin is not None and plugin.option not in options:
+        options[plugin.option] = plugin.build(settings)
+    _add_dynamo_plugin(settings, entry.name, entry.fabric_cls if fabric else entry.trainer_cls, options)
+    return options
+
+
+def build_strategy(settings: Mapping[str, Any], *, fabric: bool = False, **options: Any) -> Any:
+    """The Trainer (or Fabric) strategy the settings describe, configured with :func:`strategy_options`.
+
+    Args:
+        settings: Flat settings.
+        fabric: Return the Fabric strategy.
+        **options: Strategy arguments that take precedence over the settings (an explicit ``fsdp_plugin``, ...).
+
+    Raises:
+        ValueError: If the type has no strategy yet, the strategy cannot apply the dynamo settings, or the settings
+            are unsupported or invalid.
+
+    """
+    from lightning_accel.strategies import strategy_for
+
+    options = strategy_options(settings, fabric=fabric, **options)
+    dtype = distributed_type(settings)
+    if dtype is not None:
+        return strategy_for(dtype, fabric=fabric, **options)
+    entry = strategy_entry(settings)
+    return (entry.fabric_cls if fabric else entry.trainer_cls)(**entry.params(**options))
+
+
+def _add_dynamo_plugin(settings: Mapping[str, Any], name: str, cls: type, options: dict[str, Any]) -> None:
+    backend = settings.get("dynamo_backend", "NO")
+    if backend == "NO" or "dynamo_plugin" in options:
+        return
+    if "dynamo_plugin" not in inspect.signature(cls).parameters:
+        raise ValueError(
+            f"dynamo_config asks for torch.compile (backend {backend!r}), but {name} does not apply it yet; remove "
+            "dynamo_config (or set dynamo_backend: 'NO') and call torch.compile on your model yourself"
+        )
+    options["dynamo_plugin"] = build_dynamo_plugin(settings)
+
+
+def trainer_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``lightning.Trainer`` arguments: accelerator, devices, num_nodes, strategy, precision (and accumulation).
+
+    Raises:
+        ValueError: See :func:`lightning_precision`, :func:`processes_per_node`, :func:`accelerator_name` and
+            :func:`build_strategy`.
+
+    """
+    kwargs: dict[str, Any] = {
+        "precision": lightning_precision(settings.get("mixed_precision")),
+        "accelerator": accelerator_name(settings),
+        "devices": processes_per_node(settings),
+        "num_nodes": settings.get("num_machines", 1),
+    }
+    kwargs["strategy"] = build_strategy(settings)
+    accumulation = settings.get("gradient_accumulation_steps")
+    if isinstance(accumulation, int):
+        kwargs["accumulate_grad_batches"] = accumulation
+    return {key: kwargs[key] for key in ("accelerator", "devices", "num_nodes", "strategy", "precision", *kwargs)}
+
+
+def accelerator_kwargs(settings: Mapping[str, Any], plugins: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``Accelerator`` arguments: mixed_precision, cpu, the type's plugin, dynamo_plugin, gradient accumulation.
+
+    Args:
+        settings: Flat settings.
+        plugins: Plugin objects given explicitly (``fsdp_plugin``, ``dynamo_plugin``, ...); they are used as they are
+            instead of being built from the settings.
+
+    Raises:
+        ValueError: If the settings are unsupported (:func:`check_supported`) or a plugin is invalid.
+
+    """
+    check_supported(settings)
+    mixed_precision = settings.get("mixed_precision")
+    kwargs: dict[str, Any] = {
+        "mixed_precision": PrecisionType.NO.value if mixed_precision is None else str(mixed_precision),
+        "cpu": accelerator_name(settings) == "cpu",
+    }
+    given = dict(plugins or {})
+    dtype = distributed_type(settings)
+    plugin = PLUGIN_BY_TYPE.get(dtype) if dtype is not None else None
+    if plugin is not None and plugin.option not in given:
+        kwargs[plugin.option] = plugin.build(settings)
+    if "dynamo_plugin" not in given and any(s.name in settings for s in section_settings("dynamo_config")):
+        kwargs["dynamo_plugin"] = build_dynamo_plugin(settings)
+    kwargs.update(given)
+    accumulation = settings.get("gradient_accumulation_steps")
+    if isinstance(accumulation, int):
+        kwargs["gradient_accumulation_steps"] = accumulation
+    return kwargs
