@@ -17,13 +17,12 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import Module, Stamps, make_loader, make_net, step_times
+from overhead import make_loader, make_net, step_times, trainer
 
 import lightning_accel  # noqa: F401  (registers acc_fsdp)
 
@@ -44,31 +43,11 @@ def raw_fully_shard(steps: int, warmup: int) -> list[float]:
     return step_times(stamps, warmup)
 
 
-def trainer(strategy: str) -> Callable[[int, int], list[float]]:
-    def run(steps: int, warmup: int) -> list[float]:
-        stamps = Stamps()
-        t = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[stamps],
-        )
-        t.fit(Module(), make_loader(steps))
-        return step_times(stamps.stamps, warmup)
-
-    return run
-
-
 VARIANTS: dict[str, Callable[[int, int], list[float]]] = {
     "raw fully_shard": raw_fully_shard,
-    "trainer[acc_fsdp]": trainer("acc_fsdp"),
-    "trainer[ddp]": trainer("ddp"),
+    # Every process feeds the same batches, as the raw loop does.
+    "trainer[acc_fsdp]": trainer("acc_fsdp", devices=2, use_distributed_sampler=False),
+    "trainer[ddp]": trainer("ddp", devices=2, use_distributed_sampler=False),
 }
 
 

@@ -76,12 +76,12 @@ class Stamps(L.Callback):
         self.stamps.append(time.perf_counter())
 
 
-def trainer(strategy: str) -> Callable[[int, int], list[float]]:
+def trainer(strategy: str, devices: int = 1, **trainer_kwargs: Any) -> Callable[[int, int], list[float]]:
     def run(steps: int, warmup: int) -> list[float]:
         stamps = Stamps()
         t = L.Trainer(
             accelerator="cpu",
-            devices=1,
+            devices=devices,
             strategy=strategy,
             max_steps=steps,
             logger=False,
@@ -89,6 +89,7 @@ def trainer(strategy: str) -> Callable[[int, int], list[float]]:
             enable_progress_bar=False,
             enable_model_summary=False,
             callbacks=[stamps],
+            **trainer_kwargs,
         )
         t.fit(Module(), make_loader(steps))
         return step_times(stamps.stamps, warmup)
