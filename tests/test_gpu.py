@@ -21,3 +21,35 @@ def test_fsdp_on_one_gpu_matches_ddp(tmp_path: pytest.TempPathFactory) -> None:
         reference = torch.load(tmp_path / f"ddp{'_accum' if 'accum' in variant else ''}_rank0.pt", weights_only=False)
         expected = reference["losses"][-len(ours["losses"]) :]
         torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(expected), rtol=0, atol=1e-5)
+
+
+def test_fp16_scaler_skips_overflowing_steps_and_reports_it() -> None:
+    import lightning as L
+    from torch import nn
+
+    from lightning_accel.precision import FP16Precision
+    from lightning_accel.utils import GradScalerKwargs
+
+    # An initial scale of 2**40 overflows fp16 gradients: the scaler must skip those steps and lower the scale.
+    plugin = FP16Precision(scaler_kwargs=GradScalerKwargs(init_scale=2.0**40))
+    fabric = L.Fabric(accelerator="cuda", devices=1, strategy="acc_no", plugins=[plugin])
+    net = nn.Linear(64, 64)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    before = net.weight.detach().clone()
+    with fabric.autocast():
+        loss = model(torch.randn(8, 64, device=fabric.device)).float().pow(2).sum() * 1e4
+    fabric.backward(loss)
+    optimizer.step()
+    assert plugin.step_was_skipped
+    assert torch.equal(before, net.weight)
+    assert plugin.scaler is not None and plugin.scaler.get_scale() < 2.0**40
+
+
+def test_bf16_autocast_on_gpu() -> None:
+    import lightning as L
+    from torch import nn
+
+    fabric = L.Fabric(accelerator="cuda", devices=1, strategy="acc_no", precision="bf16-mixed")
+    model = fabric.setup_module(nn.Linear(16, 16))
+    with fabric.autocast():
+        assert model(torch.randn(4, 16, device=fabric.device)).dtype == torch.bfloat16
