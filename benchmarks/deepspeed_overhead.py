@@ -1,8 +1,12 @@
 """Per-step time of ``acc_deepspeed`` (Trainer) against a raw ``deepspeed.initialize`` loop, 2 CPU processes over gloo.
 
-Same workload as ``overhead.py`` (``Linear(64, 128) -> ReLU -> Linear(128, 1)``, SGD, MSE, batches of 32), the same
-ZeRO stage and DeepSpeed config on both sides (the raw loop gets the config the strategy resolves), variants
-interleaved in rounds inside one run. Start it with::
+Same workload as ``overhead.py`` (``Linear(64, hidden) -> ReLU -> Linear(hidden, 1)`` with ``hidden=128``, SGD, MSE,
+batches of 32), the same ZeRO stage and DeepSpeed config on both sides (the raw loop gets the config the strategy
+resolves), variants interleaved in rounds inside one run. Lightning's ``ddp`` Trainer against a raw
+``DistributedDataParallel`` loop runs alongside, to show what the Trainer's own loop costs per step on this machine
+(what is left of the DeepSpeed excess beyond that is the strategy's). Wall time and process CPU time are both reported:
+on a loaded machine the wall time of 2 processes is mostly waiting for the other rank. ``--hidden`` makes the step
+heavier. Start it with::
 
     python -m torch.distributed.run --nproc_per_node=2 benchmarks/deepspeed_overhead.py --rounds 3 --steps 200
 """
@@ -10,6 +14,7 @@ interleaved in rounds inside one run. Start it with::
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -25,16 +30,65 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import BATCH, Module, Stamps, make_loader, make_net, step_times
+from overhead import BATCH, make_loader
 
 import lightning_accel  # noqa: F401  (registers acc_deepspeed)
 from lightning_accel.config import DeepSpeedPlugin
 from lightning_accel.strategies.deepspeed import AcceleratedDeepSpeedStrategy
 from lightning_accel.strategies.deepspeed_core import TrainingFacts, resolve_config
 
+HIDDEN = 128
+Stamp = tuple[float, float]  # (wall, process CPU) seconds
 
-def raw_deepspeed(stage: int) -> Callable[[int, int], list[float]]:
-    def run(steps: int, warmup: int) -> list[float]:
+
+def now() -> Stamp:
+    return time.perf_counter(), time.process_time()
+
+
+def step_times(stamps: list[Stamp], warmup: int) -> list[Stamp]:
+    deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(stamps)]
+    return deltas[warmup:]
+
+
+def make_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Stamps(L.Callback):
+    def __init__(self) -> None:
+        self.stamps: list[Stamp] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.stamps.append(now())
+
+
+def raw_ddp(steps: int, warmup: int) -> list[Stamp]:
+    net = nn.parallel.DistributedDataParallel(make_net())
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    stamps = [now()]
+    for x, y in make_loader(steps):
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        stamps.append(now())
+    return step_times(stamps, warmup)
+
+
+def raw_deepspeed(stage: int) -> Callable[[int, int], list[Stamp]]:
+    def run(steps: int, warmup: int) -> list[Stamp]:
         import deepspeed
         import deepspeed.ops
 
@@ -51,18 +105,18 @@ def raw_deepspeed(stage: int) -> Callable[[int, int], list[float]]:
             config=config,
             dist_init_required=False,
         )
-        stamps = [time.perf_counter()]
+        stamps = [now()]
         for x, y in make_loader(steps):
             engine.backward(nn.functional.mse_loss(engine(x), y))
             engine.step()
-            stamps.append(time.perf_counter())
+            stamps.append(now())
         return step_times(stamps, warmup)
 
     return run
 
 
-def trainer(strategy: Callable[[], Any]) -> Callable[[int, int], list[float]]:
-    def run(steps: int, warmup: int) -> list[float]:
+def trainer(strategy: Callable[[], Any]) -> Callable[[int, int], list[Stamp]]:
+    def run(steps: int, warmup: int) -> list[Stamp]:
         stamps = Stamps()
         t = L.Trainer(
             accelerator="cpu",
@@ -83,33 +137,42 @@ def trainer(strategy: Callable[[], Any]) -> Callable[[int, int], list[float]]:
 
 
 def main() -> None:
+    global HIDDEN
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
     args = parser.parse_args()
+    HIDDEN = args.hidden
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    variants: dict[str, Callable[[int, int], list[float]]] = {
+    variants: dict[str, Callable[[int, int], list[Stamp]]] = {
         "raw deepspeed": raw_deepspeed(args.stage),
         "trainer[acc_deepspeed]": trainer(lambda: AcceleratedDeepSpeedStrategy(DeepSpeedPlugin(zero_stage=args.stage))),
+        "raw ddp": raw_ddp,
         "trainer[ddp]": trainer(lambda: "ddp"),
     }
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+    samples: dict[str, list[Stamp]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, run in variants.items():
             samples[name] += run(args.steps + args.warmup, args.warmup)
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    base = statistics.median(samples["raw deepspeed"])
-    print(f"ZeRO stage {args.stage}, 2 processes, gloo")
-    print(f"{'variant':<26}{'median us/step':>16}{'ratio to raw':>14}")
-    for name, times in samples.items():
-        median = statistics.median(times)
-        print(f"{name:<26}{median * 1e6:>16.1f}{median / base:>14.3f}")
-    ratio = statistics.median(samples["trainer[acc_deepspeed]"]) / base
-    print(f"acc_deepspeed (Trainer) / raw deepspeed.initialize loop: {ratio:.3f}  (target <= 1.10)")
+    wall = {name: statistics.median(w for w, _ in times) for name, times in samples.items()}
+    cpu = {name: statistics.median(c for _, c in times) for name, times in samples.items()}
+    raw_of = {"raw deepspeed": "raw deepspeed", "trainer[acc_deepspeed]": "raw deepspeed"}
+    raw_of.update({"raw ddp": "raw ddp", "trainer[ddp]": "raw ddp"})
+    print(f"ZeRO stage {args.stage}, hidden {args.hidden}, 2 processes, gloo; medians per step, rank 0")
+    print(f"{'variant':<24}{'wall us':>10}{'ratio':>8}{'excess us':>11}{'cpu us':>10}{'ratio':>8}{'excess us':>11}")
+    for name, raw in raw_of.items():
+        print(
+            f"{name:<24}{wall[name] * 1e6:>10.0f}{wall[name] / wall[raw]:>8.3f}{(wall[name] - wall[raw]) * 1e6:>11.0f}"
+            f"{cpu[name] * 1e6:>10.0f}{cpu[name] / cpu[raw]:>8.3f}{(cpu[name] - cpu[raw]) * 1e6:>11.0f}"
+        )
+    ratio = wall["trainer[acc_deepspeed]"] / wall["raw deepspeed"]
+    print(f"acc_deepspeed (Trainer) / raw deepspeed.initialize loop, wall: {ratio:.3f}  (target <= 1.10)")
 
 
 if __name__ == "__main__":
