@@ -252,6 +252,13 @@ def test_zero_stage_matches_lightning_ddp(results: dict[str, list[dict[str, Any]
     assert_same_run(ours, results["ddp"])
 
 
+def test_stage3_with_cpu_offload_matches_lightning_ddp(results: dict[str, list[dict[str, Any]]]) -> None:
+    ours = results["stage3_offload"]
+    assert [r["zero_stage"] for r in ours] == [3, 3]
+    assert ours[0]["local_numel"] == results["stage3"][0]["local_numel"]
+    assert_same_run(ours, results["ddp"])
+
+
 def test_stage3_shards_parameters_and_stages_1_2_do_not(results: dict[str, list[dict[str, Any]]]) -> None:
     for rank in results["stage3"]:
         assert rank["local_numel"] <= math.ceil(rank["full_numel"] / 2) + 4  # 4 tensors, each rounded up

@@ -217,6 +217,7 @@ def main() -> None:
         "stage1": lambda: run_trainer("acc_deepspeed_stage_1", checkpoint=ckpt[1]),
         "stage2": lambda: run_trainer(plugin(2), checkpoint=ckpt[2]),
         "stage3": lambda: run_trainer(plugin(3, zero3_save_16bit_model=True), checkpoint=ckpt[3], configure_model=True),
+        "stage3_offload": lambda: run_trainer("acc_deepspeed_stage_3_offload"),
         "stage1_resume": lambda: run_trainer("acc_deepspeed_stage_1", resume=ckpt[1]),
         "stage2_resume": lambda: run_trainer(plugin(2), resume=ckpt[2]),
         "stage3_resume": lambda: run_trainer(
