@@ -31,6 +31,16 @@ _TYPE_FLAGS = {
     "use_megatron_lm": "MEGATRON_LM",
     "tpu": "XLA",
 }
+# Boolean settings that are plain switches on `accelerate launch`'s command line; the others take true/false.
+_SWITCHES = (
+    "debug",
+    "same_network",
+    "enable_cpu_affinity",
+    "downcast_bf16",
+    "dynamo_use_fullgraph",
+    "dynamo_use_dynamic",
+    "dynamo_use_regional_compilation",
+)
 _TORCHRUN_PASSTHROUGH = ("max_restarts", "monitor_interval", "tee", "log_dir", "role", "rdzv_conf")
 _OPTIONAL_PACKAGES = ("accelerate", "deepspeed", "torchao", "transformer_engine", "wandb", "torch_xla")
 
@@ -204,14 +214,12 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     for setting in SETTINGS:
         if setting.name == "use_cpu":
             continue
-        boolean = setting.parse is parse_bool
-        groups[setting.section].add_argument(
-            f"--{setting.name}",
-            default=None,
-            nargs="?" if boolean else None,
-            const="true" if boolean else None,
-            metavar="true|false" if boolean else "VALUE",
-        )
+        group = groups[setting.section]
+        if setting.name in _SWITCHES:
+            group.add_argument(f"--{setting.name}", action="store_const", const=True, default=None)
+        else:
+            metavar = "true|false" if setting.parse is parse_bool else "VALUE"
+            group.add_argument(f"--{setting.name}", default=None, metavar=metavar)
     launcher = parser.add_argument_group("launcher")
     launcher.add_argument("--num_cpu_threads_per_process", type=int, default=None, help="OMP_NUM_THREADS per worker.")
     launcher.add_argument("-m", "--module", action="store_true", help="Run the script as a Python module.")
