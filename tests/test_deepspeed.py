@@ -259,6 +259,12 @@ def test_stage3_with_cpu_offload_matches_lightning_ddp(results: dict[str, list[d
     assert_same_run(ours, results["ddp"])
 
 
+def test_bf16_mixed_trains_in_bf16_close_to_fp32(results: dict[str, list[dict[str, Any]]]) -> None:
+    ours, reference = results["stage2_bf16"][0], results["ddp"][0]
+    assert {v.dtype for v in ours["weights"].values()} == {torch.bfloat16}  # DeepSpeed's bf16 section was added
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(reference["losses"][:6]), rtol=0, atol=1e-2)
+
+
 def test_stage3_shards_parameters_and_stages_1_2_do_not(results: dict[str, list[dict[str, Any]]]) -> None:
     for rank in results["stage3"]:
         assert rank["local_numel"] <= math.ceil(rank["full_numel"] / 2) + 4  # 4 tensors, each rounded up

@@ -218,6 +218,7 @@ def main() -> None:
         "stage2": lambda: run_trainer(plugin(2), checkpoint=ckpt[2]),
         "stage3": lambda: run_trainer(plugin(3, zero3_save_16bit_model=True), checkpoint=ckpt[3], configure_model=True),
         "stage3_offload": lambda: run_trainer("acc_deepspeed_stage_3_offload"),
+        "stage2_bf16": lambda: run_trainer(plugin(2), precision="bf16-mixed", max_epochs=1),
         "stage1_resume": lambda: run_trainer("acc_deepspeed_stage_1", resume=ckpt[1]),
         "stage2_resume": lambda: run_trainer(plugin(2), resume=ckpt[2]),
         "stage3_resume": lambda: run_trainer(
