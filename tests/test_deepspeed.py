@@ -21,7 +21,12 @@ from lightning_accel.strategies.deepspeed import (
     FabricAcceleratedDeepSpeedStrategy,
     consolidate_deepspeed_checkpoint,
 )
-from lightning_accel.strategies.deepspeed_core import TrainingFacts, fill_engine_autos, resolve_config
+from lightning_accel.strategies.deepspeed_core import (
+    DeepSpeedFamily,
+    TrainingFacts,
+    fill_engine_autos,
+    resolve_config,
+)
 from tests.helpers import SCRIPTS, run_python, torchrun
 
 NAMES = ["acc_deepspeed", "acc_deepspeed_stage_1", "acc_deepspeed_stage_2", "acc_deepspeed_stage_3"]
@@ -194,6 +199,13 @@ def test_plugin_type_and_double_configuration_are_refused() -> None:
         AcceleratedDeepSpeedStrategy({"zero_stage": 3})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"fixes DeepSpeedPlugin fields \{'zero_stage': 3\}.*'acc_deepspeed'"):
         AcceleratedDeepSpeedStrategy(DeepSpeedPlugin(), plugin_fields={"zero_stage": 3})
+
+
+def test_devices_other_than_cpu_and_cuda_are_refused() -> None:
+    family = DeepSpeedFamily("acc_deepspeed", None)
+    with pytest.raises(ValueError, match=r"'acc_deepspeed' runs on CPU or CUDA devices, got 'meta'.*accelerator='cpu'"):
+        family.check_devices([torch.device("meta")])
+    family.check_devices([torch.device("cpu"), torch.device("cpu")])
 
 
 def test_missing_deepspeed_names_the_install_command() -> None:

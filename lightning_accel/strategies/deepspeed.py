@@ -144,13 +144,13 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._family.use_device(self.root_device)
+        self._family.prepare_devices(self.parallel_devices, self.root_device)
         # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
         super(_TrainerDeepSpeedStrategy, self).setup_environment()
 
     @override
     def setup_distributed(self) -> None:
-        self._family.check_devices(self.parallel_devices)
+        # Lightning's device-index check ran in setup_environment (for CUDA only: CPU devices have no index).
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
@@ -338,13 +338,13 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._family.use_device(self.root_device)
+        self._family.prepare_devices(self.parallel_devices, self.root_device)
         # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
         super(_FabricDeepSpeedStrategy, self).setup_environment()
 
     @override
     def _setup_distributed(self) -> None:
-        self._family.check_devices(self.parallel_devices)
+        # Lightning's device-index check ran in setup_environment (for CUDA only: CPU devices have no index).
         reset_seed()
         self._set_world_ranks()
         self._init_deepspeed_distributed()

@@ -34,7 +34,13 @@ from lightning_accel.utils.constants import WEIGHTS_NAME
 
 INSTALL_HINT = "pip install 'lightning-accel[deepspeed]'"
 # Loss-scaling settings of an fp16 section this package adds (DeepSpeed's and Lightning's defaults: dynamic scaling).
-_FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
+_FP16_DEFAULTS = {
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
 _OPTIMIZER_HPARAMS = ("lr", "betas", "eps", "weight_decay")
 _HIDDEN_SIZE_KEYS = {
     "reduce_bucket_size": lambda h: h * h,
@@ -353,7 +359,18 @@ class DeepSpeedFamily:
         """Whether checkpoints also get the gathered weights (``zero3_save_16bit_model``)."""
         return bool((self.config.get("zero_optimization") or {}).get("stage3_gather_16bit_weights_on_model_save"))
 
-    def check_devices(self, devices: Sequence[torch.device] | None) -> None:
+    def prepare_devices(self, devices: Sequence[torch.device] | None, root_device: torch.device) -> None:
+        """Check the devices, then make DeepSpeed's accelerator match them.
+
+        Raises:
+            ValueError: For devices other than CPU or CUDA.
+            RuntimeError: For CUDA devices picked out of order (Lightning's check).
+
+        """
+        self.check_devices(devices or [root_device])
+        self.use_device(root_device)
+
+    def check_devices(self, devices: Sequence[torch.device]) -> None:
         """Check that the devices are CPUs, or CUDA devices whose indices equal the local ranks.
 
         Raises:
@@ -361,8 +378,6 @@ class DeepSpeedFamily:
             RuntimeError: For CUDA devices picked out of order (Lightning's check).
 
         """
-        if not devices:
-            return
         device_type = devices[0].type
         if device_type not in _DEVICE_TYPES:
             raise ValueError(
