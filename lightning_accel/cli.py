@@ -180,8 +180,11 @@ def _run_trainer_args(args: argparse.Namespace) -> int:
     settings = config.settings()
     kwargs = config.trainer_kwargs()
     entry = _arguments.strategy_entry(settings)
-    print(f"# {args.config_file or 'default config'}: {config.distributed_type.value}, {kwargs['devices']} process(es)")
-    print("# per machine on", kwargs["num_nodes"], "machine(s)")
+    source = args.config_file or "the default config"
+    print(
+        f"# {source}: {config.distributed_type.value}, {kwargs['devices']} process(es) per machine on "
+        f"{kwargs['num_nodes']} machine(s)"
+    )
     print("lightning.Trainer(")
     for key, value in kwargs.items():
         shown = f"{type(value).__name__}(...)  # {entry.name!r}" if key == "strategy" else f"{value!r},"
@@ -274,10 +277,24 @@ def launch_settings(args: argparse.Namespace) -> dict[str, Any]:
     path = Path(args.config_file) if args.config_file else default_config_file()
     config = load_config(path) if args.config_file or path.is_file() else None
     settings = config.settings() if config is not None else {}
-    settings.update(_explicit_settings(args))
+    explicit = _explicit_settings(args)
+    settings.update(explicit)
+    if args.cpu and "distributed_type" not in explicit:
+        _data_parallel_on_cpu(settings)
     if config is None:
         _defaults_without_config(settings)
     return settings
+
+
+def _data_parallel_on_cpu(settings: dict[str, Any]) -> None:
+    """``--cpu`` turns a file's device data parallelism (``MULTI_GPU``, ``MULTI_NPU``, ...) into ``MULTI_CPU``."""
+    from lightning_accel.enums import DistributedType
+    from lightning_accel.strategies.devices import BACKEND_BY_TYPE
+
+    dtype = settings.get("distributed_type")
+    backend = BACKEND_BY_TYPE.get(dtype) if dtype is not None else None
+    if backend is not None and backend.device_type != "cpu":
+        settings["distributed_type"] = DistributedType.MULTI_CPU
 
 
 def _run_launch(args: argparse.Namespace) -> int:

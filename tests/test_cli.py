@@ -126,6 +126,8 @@ def test_command_line_wins_over_the_file() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     _, env = _launch_plan("--config_file", "multi_cpu.yaml", "--use_fsdp", "--fsdp_offload_params", "yes", "t.py")
     assert (env["ACCELERATE_USE_FSDP"], env["FSDP_OFFLOAD_PARAMS"]) == ("true", "true")
+    on_cpu = launch_settings(_build_parser().parse_args(["launch", "--config_file", "multi_gpu.yaml", "--cpu", "t.py"]))
+    assert (on_cpu["distributed_type"], on_cpu["use_cpu"]) == (DistributedType.MULTI_CPU, True)
 
 
 def test_launch_without_a_config_file_runs_one_process_per_machine_on_cpu() -> None:

@@ -415,6 +415,16 @@ def section_settings(section: str) -> tuple[Setting, ...]:
     return tuple(s for s in SETTINGS if s.section == section)
 
 
+def setting_for(section: str, key: str) -> Setting:
+    """The setting a section key (or one of its aliases) stands for.
+
+    Raises:
+        KeyError: If the section has no such key.
+
+    """
+    return _BY_SECTION_KEY[section][key]
+
+
 def normalize_section(section: str, raw: Any) -> dict[str, Any]:
     """Validate one file section and return it with canonical keys and typed values.
 

@@ -27,13 +27,12 @@ from lightning_accel.config._settings import (
     normalize_section,
     parse_bool,
     parse_str,
+    setting_for,
 )
 from lightning_accel.enums import ComputeEnvironment, DistributedType, PrecisionType
 
 __all__ = ["AccelerateConfig", "load_config", "write_basic_config"]
 
-# Keys that Accelerate's loader still accepts and converts: `fp16: true` and a top-level `dynamo_backend`.
-_LEGACY_KEYS = ("fp16", "dynamo_backend")
 # FSDP options `accelerate launch` fills in when a file leaves them out (its command-line defaults).
 _FSDP_LAUNCH_DEFAULTS = {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": True}
 _FSDP1_LAUNCH_DEFAULTS = {"fsdp_use_orig_params": True, "fsdp_sync_module_states": True}
@@ -136,14 +135,12 @@ class AccelerateConfig:
         self._check_active_plugin()
 
     def _parse_top_level(self) -> None:
+        known = [e.value for e in ComputeEnvironment]
+        if self.compute_environment not in known:
+            raise ValueError(f"compute_environment must be one of {known}, got {self.compute_environment!r}")
         if self.compute_environment != ComputeEnvironment.LOCAL_MACHINE:
-            env = self.compute_environment
-            if env not in ComputeEnvironment.__members__.values():
-                raise ValueError(
-                    f"compute_environment must be one of {[e.value for e in ComputeEnvironment]}, got {env!r}"
-                )
             raise ValueError(
-                f"compute_environment {ComputeEnvironment(env).value} is not supported: lightning_accel launches on "
+                f"compute_environment {self.compute_environment} is not supported: lightning_accel launches on the "
                 "machines you run it on (LOCAL_MACHINE); use `accelerate launch` for SageMaker jobs"
             )
         self.compute_environment = ComputeEnvironment.LOCAL_MACHINE
@@ -178,12 +175,12 @@ class AccelerateConfig:
             )
 
     def _check_deepspeed_file(self) -> None:
-        if "deepspeed_config_file" not in self.deepspeed_config:
+        if self.distributed_type != DistributedType.DEEPSPEED or "deepspeed_config_file" not in self.deepspeed_config:
             return
         clashing = [key for key in _DEEPSPEED_FILE_OWNED if key in self.deepspeed_config]
-        if self.distributed_type == DistributedType.DEEPSPEED and self.mixed_precision is not None:
+        if self.mixed_precision is not None:
             clashing.append("mixed_precision")
-        if clashing and self.distributed_type == DistributedType.DEEPSPEED:
+        if clashing:
             raise ValueError(
                 f"deepspeed_config.deepspeed_config_file is set, so {clashing} must be set in that DeepSpeed JSON "
                 "instead of the Accelerate config file (as `accelerate launch` requires); remove them here"
@@ -211,7 +208,7 @@ class AccelerateConfig:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 entry.build(self.settings())
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, FileNotFoundError) as err:
             raise ValueError(f"{entry.section}: {err}") from None
 
     @classmethod
@@ -245,10 +242,9 @@ class AccelerateConfig:
                 value = value.value
             if value is None or (isinstance(value, dict) and not value):
                 continue
-            result[f.name] = list(value) if isinstance(value, tuple) else value
-        for section in SECTIONS:
-            if section in result:
-                result[section] = {k: list(v) if isinstance(v, tuple) else v for k, v in result[section].items()}
+            if isinstance(value, dict):  # a copy, with tuples as the lists YAML and JSON write
+                value = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
+            result[f.name] = value
         return result
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -256,7 +252,7 @@ class AccelerateConfig:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.suffix == ".json":
-            target.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            target.write_text(_json_text(self), encoding="utf-8")
         else:
             target.write_text(yaml.safe_dump(self.to_dict()), encoding="utf-8")
         return target
@@ -272,7 +268,7 @@ class AccelerateConfig:
         }
         for section in SECTIONS:
             for key, value in getattr(self, section).items():
-                result[_setting_name(section, key)] = value
+                result[setting_for(section, key).name] = value
         if self.distributed_type == DistributedType.FSDP:
             for name, value in _fsdp_launch_defaults(self.fsdp_config).items():
                 result.setdefault(name, value)
@@ -281,11 +277,13 @@ class AccelerateConfig:
     def trainer_kwargs(self) -> dict[str, Any]:
         """``lightning.Trainer`` arguments for this file: accelerator, devices, num_nodes, strategy, precision.
 
-        ``accumulate_grad_batches`` is added when the file sets ``gradient_accumulation_steps``.
+        The strategy gets the plugin of the type's section and, when ``dynamo_config`` compiles, a
+        ``TorchDynamoPlugin``; ``accumulate_grad_batches`` is added when the file sets ``gradient_accumulation_steps``.
 
         Raises:
             ValueError: If lightning_accel has no strategy for the file's type yet (``XLA``, ``MEGATRON_LM``), the
-                file asks for fp8 or a ``parallelism_config``, or ``num_processes`` is ``-1``.
+                file asks for fp8, a ``parallelism_config`` or compilation the strategy cannot apply, or
+                ``num_processes`` is ``-1``.
 
         """
         return _arguments.trainer_kwargs(self.settings())
@@ -293,6 +291,11 @@ class AccelerateConfig:
     def accelerator_kwargs(self) -> dict[str, Any]:
         """``Accelerator`` arguments for this file (``mixed_precision``, ``cpu``, the plugins, ...)."""
         return _arguments.accelerator_kwargs(self.settings())
+
+
+def _json_text(config: AccelerateConfig) -> str:
+    """The JSON Accelerate writes: sorted keys, two-space indent, a final newline."""
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
 def _convert_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
@@ -304,13 +307,6 @@ def _convert_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
         if str(backend).upper() != "NO":
             data.setdefault("dynamo_config", {"dynamo_backend": backend})
     return data
-
-
-def _setting_name(section: str, key: str) -> str:
-    for name, setting in BY_NAME.items():
-        if setting.section == section and setting.key == key:
-            return name
-    raise AssertionError(f"{section}.{key} is not in the settings table")
 
 
 def _fsdp_launch_defaults(section: dict[str, Any]) -> dict[str, Any]:
@@ -398,7 +394,7 @@ def write_basic_config(
             num_processes=count,
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    path.write_text(_json_text(config), encoding="utf-8")
     return path
 
 
