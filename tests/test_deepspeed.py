@@ -279,6 +279,7 @@ def test_bf16_mixed_trains_in_bf16_close_to_fp32(results: dict[str, list[dict[st
 
 def test_stage3_shards_parameters_and_stages_1_2_do_not(results: dict[str, list[dict[str, Any]]]) -> None:
     for rank in results["stage3"]:
+        assert rank["built_partitioned"] is True  # configure_model ran under deepspeed.zero.Init
         assert rank["local_numel"] <= math.ceil(rank["full_numel"] / 2) + 4  # 4 tensors, each rounded up
         assert rank["local_numel"] >= rank["full_numel"] / 2
     for stage in ("stage0", "stage1", "stage2"):

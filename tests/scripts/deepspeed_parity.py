@@ -65,6 +65,8 @@ class Regressor(L.LightningModule):
     def configure_model(self) -> None:
         if self.net is None:
             self.net = network()
+            # Under deepspeed.zero.Init (zero3_init_flag) the parameters are partitioned as they are created.
+            self.built_partitioned = all(hasattr(p, "ds_id") for p in self.net.parameters())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -93,6 +95,7 @@ class Record(L.Callback):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             local_numel=sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),
             full_numel=sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            built_partitioned=getattr(pl_module, "built_partitioned", None),
         )
         if hasattr(engine, "zero_optimization_stage"):
             optimizer = trainer.optimizers[0]
