@@ -89,14 +89,13 @@ def parse_float(label: str, value: Any) -> float:
     return float(value)
 
 
-def choice_parser(*choices: str, upper: bool = True) -> Parser:
+def choice_parser(*choices: str) -> Parser:
     """A parser accepting one of ``choices`` in any case; returns the spelling in ``choices``."""
-    by_key = {c.upper() if upper else c.lower(): c for c in choices}
+    by_key = {choice.lower(): choice for choice in choices}
 
     def parse(label: str, value: Any) -> str:
-        key = value.strip().upper() if upper and isinstance(value, str) else value
-        key = key.strip().lower() if not upper and isinstance(key, str) else key
-        if not isinstance(key, str) or key not in by_key:
+        key = value.strip().lower() if isinstance(value, str) else None
+        if key not in by_key:
             raise ValueError(f"{label} must be one of {list(choices)}, got {value!r}")
         return by_key[key]
 
@@ -225,7 +224,7 @@ def _parallelism(suffix: str, parse: Parser) -> Setting:
 
 _POSITIVE = int_parser(minimum=1)
 _NON_NEGATIVE = int_parser(minimum=0)
-_OFFLOAD_DEVICE = choice_parser("none", "cpu", "nvme", upper=False)
+_OFFLOAD_DEVICE = choice_parser("none", "cpu", "nvme")
 DEEPSPEED_MULTINODE_LAUNCHERS = ("pdsh", "standard", "openmpi", "mvapich", "mpich", "nossh", "slurm")
 
 _TOP_LEVEL = (
@@ -306,13 +305,13 @@ _DEEPSPEED = (
     _deepspeed("deepspeed_hostfile", parse_str),
     _deepspeed("deepspeed_inclusion_filter", parse_str),
     _deepspeed("deepspeed_exclusion_filter", parse_str),
-    _deepspeed("deepspeed_multinode_launcher", choice_parser(*DEEPSPEED_MULTINODE_LAUNCHERS, upper=False)),
+    _deepspeed("deepspeed_multinode_launcher", choice_parser(*DEEPSPEED_MULTINODE_LAUNCHERS)),
 )
 _DYNAMO = (
     _dynamo("backend", choice_parser(*(b.value for b in DynamoBackend)), "backend"),
     _dynamo(
         "mode",
-        choice_parser("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", upper=False),
+        choice_parser("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
         "mode",
     ),
     _dynamo("use_fullgraph", parse_bool, "fullgraph"),
@@ -331,7 +330,7 @@ _FP8 = (
     _fp8(
         "amax_compute_algorithm",
         "fp8_amax_compute_algo",
-        choice_parser("max", "most_recent", upper=False),
+        choice_parser("max", "most_recent"),
         "amax_compute_algo",
     ),
     _fp8(
@@ -362,8 +361,8 @@ _MEGATRON = tuple(
         "use_precision_aware_optimizer": parse_bool,
         "overlap_cpu_optimizer_d2h_h2d": parse_bool,
         "decoder_last_pipeline_num_layers": _POSITIVE,
-        "recompute_granularity": choice_parser("full", "selective", upper=False),
-        "recompute_method": choice_parser("uniform", "block", upper=False),
+        "recompute_granularity": choice_parser("full", "selective"),
+        "recompute_method": choice_parser("uniform", "block"),
         "recompute_num_layers": _POSITIVE,
         "attention_backend": parse_bool,
         "expert_model_parallel_size": _POSITIVE,
@@ -383,7 +382,7 @@ _PARALLELISM = tuple(
         "dp_shard_size": _POSITIVE,
         "tp_size": _POSITIVE,
         "cp_size": _POSITIVE,
-        "cp_comm_strategy": choice_parser("allgather", "alltoall", upper=False),
+        "cp_comm_strategy": choice_parser("allgather", "alltoall"),
         "cp_backend": parse_str,
         "sp_size": _POSITIVE,
         "sp_backend": parse_str,
