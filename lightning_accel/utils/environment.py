@@ -160,10 +160,16 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
     ``GROUP_RANK``.
 
     Raises:
-        ValueError: If a variable has an invalid value (the message names it) or several type flags are set.
+        ValueError: If a variable has an invalid value (the message names it), several type flags are set, or
+            ``ACCELERATE_USE_PARALLELISM_CONFIG`` asks for what no strategy implements yet.
 
     """
     env = _environ(environ)
+    if _flag_set(env, _PARALLELISM_FLAG):
+        raise ValueError(
+            f"{_PARALLELISM_FLAG} is set, but lightning_accel has no strategy for Accelerate's ParallelismConfig "
+            "(dp_replicate/dp_shard/tp/cp device meshes) yet; launch without parallelism_config"
+        )
     settings = _read_variables(env)
     dtype = _type_from_flags(env)
     if dtype is not None:
