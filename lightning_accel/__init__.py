@@ -6,6 +6,7 @@ Importing the package registers every ``acc_*`` strategy name in both the Traine
 imported only when a feature that needs them is used.
 """
 
+from lightning_accel.accelerator import Accelerator
 from lightning_accel.accelerators import register_accelerators
 from lightning_accel.config import (
     AutocastKwargs,
@@ -25,6 +26,7 @@ register_accelerators()
 register_strategies()
 
 __all__ = [
+    "Accelerator",
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",

@@ -1,0 +1,186 @@
+"""Build the Lightning ``Fabric`` an ``Accelerator`` runs on: the launch, the strategy and the precision plugin.
+
+Nothing here branches on the distributed type: the type comes from the process count, the device table
+(:data:`~lightning_accel.strategies.devices.BACKEND_BY_DEVICE`) or the plugin given, and :func:`strategy_for` turns
+it into the strategy object that does the work.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+
+from lightning_accel.config import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+)
+from lightning_accel.config._settings import PLUGIN_BY_TYPE
+from lightning_accel.enums import DistributedType
+from lightning_accel.precision import precision_plugin
+from lightning_accel.precision.base import AcceleratePrecision
+from lightning_accel.strategies import entry_for, strategy_for
+from lightning_accel.strategies.devices import backend_for_device
+
+__all__ = ["Launch", "build_fabric", "detect_launch", "split_handlers"]
+
+# Which constructor argument of a strategy or precision plugin each kwargs handler feeds.
+_HANDLER_ARGUMENT: dict[type[KwargsHandler], str] = {
+    DistributedDataParallelKwargs: "ddp_kwargs",
+    InitProcessGroupKwargs: "init_kwargs",
+    AutocastKwargs: "autocast_kwargs",
+    GradScalerKwargs: "scaler_kwargs",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How many processes this run has, as the launcher (torchrun, SLURM, or none) describes it.
+
+    Attributes:
+        world_size: Processes in the whole run.
+        local_world_size: Processes on this node.
+
+    """
+
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the run."""
+        return max(1, self.world_size // self.local_world_size)
+
+
+def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
+    """Detect a multi-process launch the way Lightning's cluster environments do.
+
+    torchrun / torchelastic (``TORCHELASTIC_RUN_ID``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), a SLURM batch job
+    (``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``), or a manual launch that sets ``WORLD_SIZE`` and ``LOCAL_RANK``
+    (Lightning's default environment). Anything else is one process.
+
+    Raises:
+        ValueError: If the variables hold something other than positive integers.
+
+    """
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env:  # what torch.distributed.is_torchelastic_launched() checks
+        world = _positive(env, "WORLD_SIZE", "1")
+        return Launch(world, _positive(env, "LOCAL_WORLD_SIZE", str(world)))
+    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):  # as SLURMEnvironment
+        world = _positive(env, "SLURM_NTASKS", "1")
+        per_node = env.get("SLURM_NTASKS_PER_NODE", str(world)).split("(")[0]
+        return Launch(world, _positive({"SLURM_NTASKS_PER_NODE": per_node}, "SLURM_NTASKS_PER_NODE", str(world)))
+    if "LOCAL_RANK" in env and "WORLD_SIZE" in env:
+        world = _positive(env, "WORLD_SIZE", "1")
+        return Launch(world, _positive(env, "LOCAL_WORLD_SIZE", str(world)))
+    return Launch()
+
+
+def _positive(env: Mapping[str, str], name: str, default: str) -> int:
+    text = env.get(name, default)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"Environment variable {name}={text!r} must be a positive integer (set by the launcher).")
+    return value
+
+
+def device_type(cpu: bool) -> str:
+    """The device type to train on: ``cpu`` when asked, else the machine's accelerator (cuda, mps, xpu, ...)."""
+    if cpu or not torch.accelerator.is_available():
+        return "cpu"
+    current = torch.accelerator.current_accelerator()
+    return "cpu" if current is None else current.type
+
+
+def distributed_type(launch: Launch, device: str, plugins: Mapping[str, Any]) -> DistributedType:
+    """The Accelerate type: the given plugin's family, else ``NO`` for one process, else the device's DDP type.
+
+    Raises:
+        ValueError: If plugins of two families are given.
+
+    """
+    chosen = [dtype for dtype, entry in PLUGIN_BY_TYPE.items() if plugins.get(entry.option) is not None]
+    if len(chosen) > 1:
+        raise ValueError(f"Pass at most one of {', '.join(PLUGIN_BY_TYPE[t].option for t in chosen)}; got several.")
+    if chosen:
+        return chosen[0]
+    if launch.world_size == 1:
+        return DistributedType.NO
+    return backend_for_device(device).distributed_type
+
+
+def split_handlers(handlers: Sequence[KwargsHandler] | None) -> dict[str, KwargsHandler]:
+    """Map each kwargs handler to the constructor argument it feeds (``ddp_kwargs=``, ``scaler_kwargs=``, ...).
+
+    Raises:
+        TypeError: For an object that is not a supported kwargs handler.
+        ValueError: For two handlers of the same kind.
+
+    """
+    found: dict[str, KwargsHandler] = {}
+    for handler in handlers or ():
+        argument = _HANDLER_ARGUMENT.get(type(handler))
+        if argument is None:
+            supported = ", ".join(cls.__name__ for cls in _HANDLER_ARGUMENT)
+            raise TypeError(f"Unsupported kwargs handler {handler!r}; supported: {supported}.")
+        if argument in found:
+            raise ValueError(f"kwargs_handlers holds two {type(handler).__name__} objects; pass only one.")
+        found[argument] = handler
+    return found
+
+
+def _accepted(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``options`` that ``cls.__init__`` takes: a handler applies only where its settings mean something."""
+    parameters = inspect.signature(cls).parameters
+    return {name: value for name, value in options.items() if name in parameters}
+
+
+def build_fabric(
+    dtype: DistributedType,
+    device: str,
+    launch: Launch,
+    *,
+    mixed_precision: str,
+    handlers: Mapping[str, KwargsHandler],
+    plugins: Mapping[str, Any],
+) -> Fabric:
+    """Create and launch the ``Fabric`` for ``dtype`` (this sets up the process group when there are several).
+
+    Args:
+        dtype: The Accelerate distributed type.
+        device: The device type (``"cpu"``, ``"cuda"``, ...).
+        launch: The processes the launcher started.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        handlers: Kwargs handlers by the argument they feed (see :func:`split_handlers`).
+        plugins: ``fsdp_plugin``/``deepspeed_plugin``/``dynamo_plugin`` objects (``None`` values are dropped).
+
+    Raises:
+        ValueError: For an unusable precision on this device (fp16 on CPU) or a type without a strategy.
+
+    """
+    strategy_options = {name: value for name, value in plugins.items() if value is not None}
+    strategy_options.update(_accepted(entry_for(dtype).fabric_cls, handlers))
+    strategy = strategy_for(dtype, fabric=True, **strategy_options)
+    precision_cls = type(precision_plugin(mixed_precision))
+    precision: AcceleratePrecision = precision_cls(**_accepted(precision_cls, handlers))
+    fabric = Fabric(
+        accelerator=device,
+        devices=launch.local_world_size,
+        num_nodes=launch.num_nodes,
+        strategy=strategy,
+        plugins=[precision],
+    )
+    fabric.launch()
+    return fabric

@@ -1,0 +1,556 @@
+"""``Accelerator``: Hugging Face Accelerate's training-loop API, run by a Lightning ``Fabric``.
+
+A script written for ``accelerate.Accelerator`` runs here after changing its imports. The class is an adapter: the
+strategy (chosen by :func:`~lightning_accel.strategies.strategy_for`) wraps models and owns the process group and
+gradient synchronisation, the precision plugin owns autocast and loss scaling, :mod:`lightning_accel.state` holds the
+shared state, :mod:`lightning_accel.data_loader` the data loaders and :mod:`lightning_accel.checkpointing` the
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Generator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import DeepSpeedStrategy
+from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from lightning_accel import _fabric, checkpointing
+from lightning_accel.config import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    KwargsHandler,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
+from lightning_accel.data_loader import DataLoaderShard, check_rng_types, prepare_data_loader
+from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
+from lightning_accel.enums import DistributedType
+from lightning_accel.optimizer import AcceleratedOptimizer
+from lightning_accel.scheduler import AcceleratedScheduler
+from lightning_accel.state import AcceleratorState, GradientState
+from lightning_accel.utils import operations
+from lightning_accel.utils.environment import accelerator_kwargs
+
+__all__ = ["Accelerator"]
+
+
+def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> None:
+    if value is not None and not isinstance(value, expected):
+        names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+        raise TypeError(f"`{name}` must be a {names} (or None), got {type(value).__name__}: {value!r}.")
+
+
+class Accelerator:
+    """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
+
+    Arguments left at their defaults are read from the launch environment (``ACCELERATE_MIXED_PRECISION``,
+    ``ACCELERATE_USE_CPU``, ``ACCELERATE_USE_FSDP`` with ``FSDP_*``, ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, ...)
+    through :mod:`lightning_accel.utils.environment`. Several processes are detected from torchrun, SLURM or
+    ``WORLD_SIZE``/``LOCAL_RANK``.
+
+    Args:
+        device_placement: Move prepared models and batches to :attr:`device`.
+        mixed_precision: ``"no"``, ``"fp16"`` (GPU only), ``"bf16"`` or ``"fp8"``.
+        gradient_accumulation_steps: Micro-batches per optimizer step (or pass ``gradient_accumulation_plugin``).
+        cpu: Train on CPU even when an accelerator is present.
+        dataloader_config: How data loaders are prepared (seedable sampler, ``even_batches``, ...).
+        deepspeed_plugin: Train with DeepSpeed.
+        fsdp_plugin: Train with FSDP.
+        rng_types: Generators synchronised from process 0 at each epoch: ``"generator"`` (the sampler's) and/or
+            ``"torch"``. Default ``["generator"]``.
+        project_dir: Root of checkpoints (``<project_dir>/checkpoints``) and logs.
+        project_config: Checkpoint naming and rotation.
+        gradient_accumulation_plugin: Full accumulation settings (exclusive with ``gradient_accumulation_steps``).
+        step_scheduler_with_optimizer: Step prepared schedulers by Accelerate's rules (see ``AcceleratedScheduler``).
+        kwargs_handlers: ``DistributedDataParallelKwargs``, ``InitProcessGroupKwargs``, ``AutocastKwargs``,
+            ``GradScalerKwargs``; each goes to the strategy or precision plugin that uses it.
+        dynamo_plugin: ``torch.compile`` settings applied by the strategy when a model is prepared.
+
+    Raises:
+        TypeError: For arguments of the wrong type.
+        ValueError: For invalid combinations (both accumulation arguments, two plugins, fp16 on CPU, ...).
+
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        rng_types: Sequence[Any] | None = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: Sequence[KwargsHandler] | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+    ) -> None:
+        _check_type("dataloader_config", dataloader_config, DataLoaderConfiguration)
+        _check_type("project_config", project_config, ProjectConfiguration)
+        _check_type("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
+        _check_type("deepspeed_plugin", deepspeed_plugin, DeepSpeedPlugin)
+        _check_type("fsdp_plugin", fsdp_plugin, FullyShardedDataParallelPlugin)
+        _check_type("dynamo_plugin", dynamo_plugin, TorchDynamoPlugin)
+        if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
+            raise ValueError(
+                "Pass gradient_accumulation_steps or gradient_accumulation_plugin, not both: set"
+                " GradientAccumulationPlugin(num_steps=...) instead."
+            )
+        settings = accelerator_kwargs(
+            {
+                "mixed_precision": mixed_precision,
+                "cpu": cpu or None,
+                "gradient_accumulation_steps": gradient_accumulation_steps
+                if gradient_accumulation_steps != 1
+                else None,
+                "fsdp_plugin": fsdp_plugin,
+                "deepspeed_plugin": deepspeed_plugin,
+                "dynamo_plugin": dynamo_plugin,
+            }
+        )
+        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
+            num_steps=settings.get("gradient_accumulation_steps", 1)
+        )
+        handlers = _fabric.split_handlers(kwargs_handlers)
+        self.autocast_handler: AutocastKwargs | None = handlers.get("autocast_kwargs")  # type: ignore[assignment]
+        launch = _fabric.detect_launch()
+        device = _fabric.device_type(bool(settings["cpu"]))
+        plugins = {name: settings.get(name) for name in ("fsdp_plugin", "deepspeed_plugin", "dynamo_plugin")}
+        dtype = _fabric.distributed_type(launch, device, plugins)
+        self.fabric = _fabric.build_fabric(
+            dtype, device, launch, mixed_precision=settings["mixed_precision"], handlers=handlers, plugins=plugins
+        )
+        self.state = AcceleratorState()
+        self.state._configure(
+            dtype,
+            self.fabric.device,
+            num_processes=self.fabric.world_size,
+            process_index=self.fabric.global_rank,
+            local_index=self.fabric.local_rank,
+        )
+        self.state.mixed_precision = str(settings["mixed_precision"])
+        self.gradient_state = GradientState(plugin)
+        self.device_placement = device_placement
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        self.project_configuration = project_config or ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.set_directories(project_dir)
+        self.rng_types = check_rng_types(["generator"] if rng_types is None else rng_types)
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.step = 0
+        self._models: list[_FabricModule] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[DataLoaderShard] = []
+        self._custom_objects: list[Any] = []
+
+    # ---- process information -------------------------------------------------------------------------------------
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """The Accelerate type of the strategy in use."""
+        return self.state.distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        """``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``."""
+        return str(self.state.mixed_precision)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this process."""
+        return self.fabric.device
+
+    @property
+    def num_processes(self) -> int:
+        """Processes in the run."""
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        """The global rank of this process."""
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        """The rank of this process on its node."""
+        return self.state.local_process_index
+
+    @property
+    def use_distributed(self) -> bool:
+        """Whether several processes take part."""
+        return self.state.use_distributed
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is global rank 0."""
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this is rank 0 of its node."""
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        """Whether this is the highest global rank."""
+        return self.state.is_last_process
+
+    @property
+    def split_batches(self) -> bool:
+        """``dataloader_config.split_batches``."""
+        return self.dataloader_config.split_batches
+
+    @property
+    def project_dir(self) -> str | None:
+        """Root of automatically named checkpoints."""
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        """Directory of file-based trackers."""
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """Index of the next automatically named checkpoint."""
+        return self.project_configuration.iteration
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process gets here."""
+        self.state.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` once per node."""
+        self.state.print(*args, **kwargs)
+
+    @contextmanager
+    def main_process_first(self) -> Generator[None, None, None]:
+        """Run the body on the main process first, then on the others."""
+        with self.state.main_process_first():
+            yield
+
+    @contextmanager
+    def local_main_process_first(self) -> Generator[None, None, None]:
+        """Run the body on each node's main process first."""
+        with self.state.local_main_process_first():
+            yield
+
+    # ---- prepare -------------------------------------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
+        """Prepare models, optimizers, data loaders and schedulers (in any order) and return them in the same order.
+
+        Models and their optimizers are set up together by the strategy; schedulers are wrapped after, bound to the
+        prepared optimizers they drive. Other objects are returned unchanged.
+
+        Raises:
+            ValueError: If ``device_placement`` does not have one entry per argument.
+
+        """
+        if device_placement is not None and len(device_placement) != len(args):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects.")
+        placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
+        result = list(args)
+        self._prepare_models_and_optimizers(result, placement)
+        for i, obj in enumerate(result):
+            if isinstance(obj, DataLoader) and not isinstance(obj, DataLoaderShard):
+                result[i] = self.prepare_data_loader(obj, device_placement=placement[i])
+        for i, obj in enumerate(result):
+            if isinstance(obj, LRScheduler):
+                result[i] = self.prepare_scheduler(obj)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
+        models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not isinstance(obj, _FabricModule)]
+        optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
+        if len(models) == 1:  # one model with its optimizers: the strategy sets them up together (DeepSpeed needs it)
+            move = placement[models[0]]
+            model, *opts = self.fabric.setup(objects[models[0]], *(objects[i] for i in optimizers), move_to_device=move)
+            self._register_model(objects, models[0], model)
+            for i, opt in zip(optimizers, opts, strict=True):
+                objects[i] = self._register_optimizer(opt)
+            return
+        for i in models:
+            self._register_model(objects, i, self.fabric.setup_module(objects[i], move_to_device=placement[i]))
+        for i in optimizers:
+            objects[i] = self._register_optimizer(cast(Optimizer, self.fabric.setup_optimizers(objects[i])))
+
+    def _register_model(self, objects: list[Any], index: int, model: _FabricModule) -> None:
+        self._models.append(model)
+        objects[index] = model
+
+    def _register_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(optimizer, precision=self.fabric.strategy.precision)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_model(self, model: Module, device_placement: bool | None = None) -> Module:
+        """Set up one model with the strategy (wrap, move, compile)."""
+        return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
+
+    def prepare_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
+        """Set up one optimizer (after its model)."""
+        return self.prepare(optimizer)
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoaderShard:
+        """Shard ``data_loader`` for this process (see :func:`lightning_accel.data_loader.prepare_data_loader`)."""
+        config = self.dataloader_config
+        _check_loader_config(config, self.num_processes)
+        place = self.device_placement if device_placement is None else device_placement
+        prepared = prepare_data_loader(
+            data_loader,
+            self.device if place else None,
+            num_processes=self.num_processes,
+            process_index=self.process_index,
+            rng_types=list(self.rng_types),
+            use_seedable_sampler=config.use_seedable_sampler,
+            data_seed=config.data_seed,
+            non_blocking=config.non_blocking,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: LRScheduler) -> AcceleratedScheduler:
+        """Wrap ``scheduler`` so it steps with its (prepared) optimizer."""
+        optimizers = [opt for opt in self._optimizers if _raw_optimizer(opt) is scheduler.optimizer]
+        wrapped = AcceleratedScheduler(
+            scheduler, optimizers, self.step_scheduler_with_optimizer, split_batches=self.split_batches
+        )
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
+        """A copy of a prepared loader that skips its first ``num_batches`` batches."""
+        return _skip_first_batches(dataloader, num_batches)
+
+    # ---- the training step ---------------------------------------------------------------------------------------
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this micro-step synchronises gradients and steps the optimizer."""
+        return bool(self.gradient_state.sync_gradients)
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state._set_sync_gradients(value)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.gradient_state.num_steps
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backpropagate ``loss`` divided by the accumulation steps, through the strategy and precision plugin.
+
+        Engines that accumulate themselves (DeepSpeed) get the loss undivided, as in Accelerate.
+        """
+        if not isinstance(self.fabric.strategy, DeepSpeedStrategy):
+            loss = loss / self.gradient_accumulation_steps
+        model = self._models[0] if len(self._models) == 1 else None
+        self.fabric.backward(loss, model=model, **kwargs)
+
+    def _do_sync(self) -> None:
+        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
+
+    @contextmanager
+    def accumulate(self, *models: Module) -> Generator[None, None, None]:
+        """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
+        self._do_sync()
+        skip_sync = not (self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch))
+        with ExitStack() as stack:
+            if skip_sync:
+                for model in models:
+                    stack.enter_context(self.no_sync(model))
+            yield
+
+    @contextmanager
+    def no_sync(self, model: Module) -> Generator[None, None, None]:
+        """Skip gradient synchronisation in the body (a no-op where the strategy has nothing to skip)."""
+        if self.fabric.strategy._backward_sync_control is None:
+            yield
+            return
+        if not isinstance(model, _FabricModule):
+            raise TypeError(f"no_sync needs a model returned by Accelerator.prepare, got {type(model).__name__}.")
+        with self.fabric.no_backward_sync(model, enabled=True):
+            yield
+
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
+        """The precision plugin's autocast context (a no-op in full precision or with ``enabled=False``)."""
+        _check_type("autocast_handler", autocast_handler, AutocastKwargs)
+        handler = autocast_handler or self.autocast_handler
+        if handler is not None and not handler.enabled:
+            return nullcontext()
+        return self.fabric.autocast()
+
+    def _owner(self, parameters: Any) -> tuple[list[Any], _FabricModule | None]:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        ids = {id(p) for p in params}
+        owners = [m for m in self._models if ids <= {id(p) for p in m.parameters()}]
+        return params, (owners[0] if owners and self._optimizers else None)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm."""
+        params, owner = self._owner(parameters)
+        if owner is not None and len(params) == len(list(owner.parameters())):
+            optimizer = self._optimizers[0].optimizer
+            norm = self.fabric.clip_gradients(
+                owner, optimizer, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=False
+            )
+            return cast(torch.Tensor, norm)
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling)."""
+        params, _ = self._owner(parameters)
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
+        """Divide fp16 gradients by the loss scale now (a no-op without a gradient scaler)."""
+        precision = self.fabric.strategy.precision
+        if getattr(precision, "scaler", None) is None:
+            return
+        for opt in [optimizer] if optimizer is not None else self._optimizers:
+            precision.unscale_gradients(_raw_optimizer(opt))
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether an optimizer skipped its last step (fp16 overflow)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    # ---- collectives ---------------------------------------------------------------------------------------------
+
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate ``tensor`` from all processes along dim 0."""
+        return operations.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather for evaluation: on the last batch, drop the samples repeated to even out the processes."""
+        leaves_are_tensors = _all_tensors(input_data)
+        use_object = use_gather_object or not leaves_are_tensors
+        data = operations.gather_object(input_data) if use_object else self.gather(input_data)
+        remainder = self.gradient_state.remainder
+        if not self.gradient_state.end_of_dataloader or remainder <= 0:
+            return data
+        if use_object:
+            return data[:remainder]
+        return operations.recursively_apply(lambda t: t[:remainder], data)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Reduce ``tensor`` over processes (``"sum"`` by default, as Accelerate's ``Accelerator.reduce``)."""
+        return operations.reduce(tensor, reduction=reduction, scale=scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad ``tensor`` along ``dim`` to the largest size over processes."""
+        return operations.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    # ---- models, memory, end ---------------------------------------------------------------------------------------
+
+    def unwrap_model(self, model: Module, keep_fp32_wrapper: bool = True) -> Module:
+        """The user's own module, without the Fabric and strategy wrappers."""
+        del keep_fp32_wrapper  # autocast lives in the precision plugin, not in a forward wrapper
+        if isinstance(model, _FabricModule):
+            return model.module
+        inner = getattr(model, "module", None)
+        return inner if isinstance(inner, Module) else model
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop the references this accelerator holds, collect garbage and reset :attr:`step`."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.step = 0
+        gc.collect()
+        if torch.accelerator.is_available():
+            torch.accelerator.empty_cache()
+        return [None for _ in objects]
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        """Finish the run: destroy the process group."""
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore ``objects`` (each with ``state_dict``/``load_state_dict``) in ``save_state``/``load_state``.
+
+        Raises:
+            ValueError: Naming the objects that lack either method.
+
+        """
+        invalid = [repr(o) for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if invalid:
+            raise ValueError(
+                f"Objects to checkpoint need `state_dict` and `load_state_dict` methods; these lack them: {invalid}."
+            )
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
+        """Save models, optimizers, schedulers, RNG states and registered objects with Accelerate's file names.
+
+        Returns the checkpoint directory. See :func:`lightning_accel.checkpointing.save_state`.
+        """
+        return checkpointing.save_state(self, output_dir, safe_serialization=safe_serialization)
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> str:
+        """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory."""
+        return checkpointing.load_state(self, input_dir)
+
+
+def _is_raw_optimizer(obj: Any) -> bool:
+    return isinstance(obj, Optimizer) and not isinstance(obj, (AcceleratedOptimizer, _FabricOptimizer))
+
+
+def _raw_optimizer(optimizer: AcceleratedOptimizer) -> Optimizer:
+    inner = optimizer.optimizer
+    return inner.optimizer if isinstance(inner, _FabricOptimizer) else inner
+
+
+def _all_tensors(data: Any) -> bool:
+    if isinstance(data, (list, tuple)):
+        return all(_all_tensors(item) for item in data)
+    if isinstance(data, dict):
+        return all(_all_tensors(item) for item in data.values())
+    return isinstance(data, torch.Tensor)
+
+
+def _check_loader_config(config: DataLoaderConfiguration, num_processes: int) -> None:
+    unsupported = {
+        "split_batches=True": config.split_batches and num_processes > 1,
+        "dispatch_batches=True": bool(config.dispatch_batches),
+        "even_batches=False": not config.even_batches and num_processes > 1,
+        "use_stateful_dataloader=True": config.use_stateful_dataloader,
+    }
+    chosen = [name for name, on in unsupported.items() if on]
+    if chosen:
+        raise ValueError(
+            f"DataLoaderConfiguration({', '.join(chosen)}) is not supported by lightning_accel yet; leave the default."
+        )

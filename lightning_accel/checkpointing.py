@@ -1,0 +1,306 @@
+"""``save_state`` / ``load_state`` with Accelerate 1.15's folder and file names, so checkpoints are interchangeable.
+
+A checkpoint folder holds ``model.safetensors`` (``model_1.safetensors``, ... or ``pytorch_model.bin`` without safe
+serialization), ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt`` (fp16 with a gradient scaler),
+``random_states_{rank}.pkl`` (one per process) and ``custom_checkpoint_{i}.pkl`` (registered objects). Model weights
+are the strategy-wrapped module's state dict, as Accelerate writes them.
+
+Differences from Accelerate (its bugs, fixed):
+
+- ``load_state`` restores the save counter, so the next automatically named save does not collide with an existing
+  ``checkpoint_N`` (Accelerate restarts at ``checkpoint_0`` and raises).
+- Rotation (``total_limit``) deletes old folders only after the new checkpoint is written.
+- ``save_state(output_dir)`` with automatic naming on raises instead of ignoring ``output_dir``.
+- An unreadable (e.g. truncated) file raises an error naming the file.
+
+This first slice saves single-process and DDP-family runs; FSDP and DeepSpeed checkpoints are not handled yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lightning_accel.utils.constants import (
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAFE_WEIGHTS_NAME,
+    SCALER_NAME,
+    SCHEDULER_NAME,
+    WEIGHTS_NAME,
+)
+
+if TYPE_CHECKING:
+    from lightning_accel.accelerator import Accelerator
+
+__all__ = ["checkpoint_folders", "load_state", "save_state"]
+
+_CHECKPOINT_FOLDER = re.compile(r"^checkpoint_(\d+)$")
+_CUSTOM_FILE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+_WRAPPER_PREFIX = "module."
+
+
+def _indexed(name: str, index: int) -> str:
+    """Accelerate's names for the i-th object: ``optimizer.bin``, ``optimizer_1.bin``, ..."""
+    stem, ext = name.split(".", 1)
+    return name if index == 0 else f"{stem}_{index}.{ext}"
+
+
+def checkpoint_folders(base: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """The ``checkpoint_N`` folders in ``base``, oldest (smallest N) first."""
+    root = Path(base)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_FOLDER.match(p.name))]
+    return sorted(found)
+
+
+def _checkpoints_root(accelerator: Accelerator) -> Path:
+    project_dir = accelerator.project_configuration.project_dir
+    if project_dir is None:
+        raise ValueError(
+            "automatic_checkpoint_naming needs a project directory: pass Accelerator(project_dir=...) or"
+            " ProjectConfiguration(project_dir=...)."
+        )
+    return Path(project_dir) / "checkpoints"
+
+
+def _target_dir(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) -> Path:
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        if output_dir is None:
+            raise ValueError("save_state needs output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
+        return Path(output_dir)
+    if output_dir is not None:
+        raise ValueError(
+            f"save_state got output_dir={os.fspath(output_dir)!r}, but automatic_checkpoint_naming is on and chooses"
+            " <project_dir>/checkpoints/checkpoint_<i> itself: call save_state() without output_dir, or turn"
+            " automatic naming off."
+        )
+    target = _checkpoints_root(accelerator) / f"checkpoint_{config.iteration}"
+    if target.exists():
+        raise ValueError(
+            f"Checkpoint folder {target} already exists; set ProjectConfiguration(iteration=...) past it or remove it."
+        )
+    return target
+
+
+def _writes_shared_files(accelerator: Accelerator) -> bool:
+    if accelerator.project_configuration.save_on_each_node:
+        return accelerator.is_local_main_process
+    return accelerator.is_main_process
+
+
+def save_state(
+    accelerator: Accelerator, output_dir: str | os.PathLike[str] | None = None, *, safe_serialization: bool = True
+) -> str:
+    """Write a checkpoint of everything ``accelerator`` prepared or registered; collective (every process calls it).
+
+    Args:
+        accelerator: The accelerator whose state to save.
+        output_dir: Destination; must be ``None`` with automatic checkpoint naming.
+        safe_serialization: Write model weights as safetensors (else ``pytorch_model.bin``).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: For a missing or conflicting destination.
+
+    """
+    target = _target_dir(accelerator, output_dir)
+    accelerator.wait_for_everyone()  # every process checked the target before any creates it
+    if _writes_shared_files(accelerator):
+        target.mkdir(parents=True, exist_ok=True)
+        _save_shared(accelerator, target, safe_serialization)
+    accelerator.wait_for_everyone()
+    target.mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_states(accelerator.step), target / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
+    accelerator.wait_for_everyone()
+    if accelerator.project_configuration.automatic_checkpoint_naming and accelerator.is_main_process:
+        _rotate(target.parent, accelerator.project_configuration.total_limit)
+    accelerator.wait_for_everyone()
+    accelerator.project_configuration.iteration += 1
+    return str(target)
+
+
+def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: bool) -> None:
+    for i, model in enumerate(accelerator._models):
+        state = model._forward_module.state_dict()
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            tensors = {key: value.detach().cpu().contiguous() for key, value in state.items()}
+            save_file(tensors, target / _indexed(SAFE_WEIGHTS_NAME, i), metadata={"format": "pt"})
+        else:
+            torch.save(state, target / _indexed(WEIGHTS_NAME, i))
+    for i, optimizer in enumerate(accelerator._optimizers):
+        torch.save(optimizer.state_dict(), target / _indexed(f"{OPTIMIZER_NAME}.bin", i))
+    for i, scheduler in enumerate(accelerator._schedulers):
+        torch.save(scheduler.state_dict(), target / _indexed(f"{SCHEDULER_NAME}.bin", i))
+    scaler = getattr(accelerator.fabric.strategy.precision, "scaler", None)
+    if scaler is not None:
+        torch.save(scaler.state_dict(), target / SCALER_NAME)
+    for i, obj in enumerate(accelerator._custom_objects):
+        torch.save(obj.state_dict(), target / f"custom_checkpoint_{i}.pkl")
+
+
+def _rng_states(step: int) -> dict[str, Any]:
+    """The generator states of this process, under Accelerate's keys (numpy's as ``np.random.get_state()``)."""
+    states: dict[str, Any] = {
+        "step": step,
+        "random_state": random.getstate(),
+        "numpy_random_seed": np.random.get_state(),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _rotate(root: Path, total_limit: int | None) -> None:
+    """Delete the oldest ``checkpoint_N`` folders so that ``total_limit`` remain (the newest was just written)."""
+    if total_limit is None:
+        return
+    folders = checkpoint_folders(root)
+    for _, folder in folders[: max(0, len(folders) - total_limit)]:
+        shutil.rmtree(folder)
+
+
+def _read(path: Path, reader: Callable[[Path], Any]) -> Any:
+    try:
+        return reader(path)
+    except Exception as err:
+        raise ValueError(
+            f"Could not read checkpoint file {path}: {err}. The file may be truncated or corrupt."
+        ) from err
+
+
+def _torch_load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _rng_load(path: Path) -> Any:
+    reconstruct = importlib.import_module("numpy._core.multiarray")._reconstruct
+    allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType, reconstruct]  # what numpy's RNG state pickles
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _source_dir(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None) -> Path:
+    if input_dir is not None:
+        source = Path(input_dir)
+        if not source.is_dir():
+            raise ValueError(f"Checkpoint directory {source} does not exist.")
+        return source
+    if not accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ValueError("load_state needs input_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
+    folders = checkpoint_folders(_checkpoints_root(accelerator))
+    if not folders:
+        raise ValueError(f"No checkpoint_<i> folder in {_checkpoints_root(accelerator)} to load.")
+    return folders[-1][1]
+
+
+def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None = None) -> str:
+    """Restore what :func:`save_state` (or HF accelerate's) wrote; every process calls it.
+
+    Without ``input_dir`` and with automatic naming, the newest ``checkpoint_N`` is loaded. The save counter is set
+    past the newest existing checkpoint, so the next automatic save gets a fresh folder.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: For a missing directory or model file, an unreadable file, or a different number of registered
+            objects than the checkpoint holds.
+
+    """
+    source = _source_dir(accelerator, input_dir)
+    for i, model in enumerate(accelerator._models):
+        _load_model(model._forward_module, source, i)
+    for i, optimizer in enumerate(accelerator._optimizers):
+        optimizer.load_state_dict(_read(source / _indexed(f"{OPTIMIZER_NAME}.bin", i), _torch_load))
+    for i, scheduler in enumerate(accelerator._schedulers):
+        scheduler.load_state_dict(_read(source / _indexed(f"{SCHEDULER_NAME}.bin", i), _torch_load))
+    scaler = getattr(accelerator.fabric.strategy.precision, "scaler", None)
+    if scaler is not None and (source / SCALER_NAME).is_file():
+        scaler.load_state_dict(_read(source / SCALER_NAME, _torch_load))
+    _load_custom_objects(accelerator._custom_objects, source)
+    _load_rng(accelerator, source)
+    _restore_save_counter(accelerator, source)
+    return str(source)
+
+
+def _load_model(module: torch.nn.Module, source: Path, index: int) -> None:
+    safe, plain = source / _indexed(SAFE_WEIGHTS_NAME, index), source / _indexed(WEIGHTS_NAME, index)
+    if safe.is_file():
+        from safetensors.torch import load_file
+
+        state = _read(safe, lambda p: load_file(p, device="cpu"))
+    elif plain.is_file():
+        state = _read(plain, _torch_load)
+    else:
+        raise ValueError(f"Checkpoint {source} has no weights for model {index}: expected {safe.name} or {plain.name}.")
+    module.load_state_dict(_match_wrapper_prefix(state, module.state_dict().keys()))
+
+
+def _match_wrapper_prefix(state: Mapping[str, Any], expected: Any) -> dict[str, Any]:
+    """Add or strip DDP's ``module.`` prefix so a checkpoint from 1 process loads on several, and back."""
+    keys = set(expected)
+    if set(state) == keys:
+        return dict(state)
+    if all(k.startswith(_WRAPPER_PREFIX) for k in keys):
+        return {f"{_WRAPPER_PREFIX}{k}": v for k, v in state.items()}
+    if all(k.startswith(_WRAPPER_PREFIX) for k in state):
+        return {k[len(_WRAPPER_PREFIX) :]: v for k, v in state.items()}
+    return dict(state)
+
+
+def _load_custom_objects(objects: list[Any], source: Path) -> None:
+    files = sorted((int(m.group(1)), p) for p in source.iterdir() if (m := _CUSTOM_FILE.match(p.name)))
+    if len(files) != len(objects):
+        raise ValueError(
+            f"Checkpoint {source} holds {len(files)} custom_checkpoint_<i>.pkl files but {len(objects)} objects are"
+            " registered; call register_for_checkpointing with the same objects, in the same order, as when saving."
+        )
+    for (_, path), obj in zip(files, objects, strict=True):
+        # Registered objects may hold any picklable state, as in Accelerate: load only checkpoints you trust.
+        obj.load_state_dict(_read(path, lambda p: torch.load(p, map_location="cpu", weights_only=False)))
+
+
+def _load_rng(accelerator: Accelerator, source: Path) -> None:
+    path = source / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl"
+    if not path.is_file():
+        warnings.warn(
+            f"{path} is missing: random states not restored (was the run saved by fewer processes?).", stacklevel=3
+        )
+        return
+    states = _read(path, _rng_load)
+    accelerator.step = int(states.get("step", 0))
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if "torch_cuda_manual_seed" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+
+
+def _restore_save_counter(accelerator: Accelerator, source: Path) -> None:
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        return
+    numbers = [n for n, _ in checkpoint_folders(_checkpoints_root(accelerator))]
+    loaded = _CHECKPOINT_FOLDER.match(source.name)
+    if loaded:
+        numbers.append(int(loaded.group(1)))
+    if numbers:
+        config.iteration = max(config.iteration, max(numbers) + 1)

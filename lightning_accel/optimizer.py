@@ -1,0 +1,91 @@
+"""``AcceleratedOptimizer``: an optimizer that steps only when gradients are synchronised."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_accel.state import GradientState
+
+__all__ = ["AcceleratedOptimizer"]
+
+
+class AcceleratedOptimizer(Optimizer):
+    """Wrap an optimizer set up by Fabric with Accelerate's accumulation rules.
+
+    ``step`` and ``zero_grad`` do nothing on micro-steps that accumulate (``GradientState.sync_gradients`` false).
+    ``step`` goes through the strategy and precision plugin (gradient scaling, DeepSpeed's engine).
+    ``state``, ``param_groups`` and ``defaults`` are the wrapped optimizer's.
+
+    Args:
+        optimizer: The optimizer Fabric returned from ``setup_optimizers`` (or a plain one).
+        precision: The precision plugin, asked whether the last step was skipped (fp16 overflow).
+
+    """
+
+    def __init__(self, optimizer: Optimizer, precision: Any = None) -> None:
+        self.optimizer = optimizer
+        self.precision = precision
+        self.gradient_state = GradientState()
+        self._step_was_skipped = False
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @override
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients, unless this micro-step accumulates."""
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @override
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step the wrapped optimizer, unless this micro-step accumulates."""
+        if not self.gradient_state.sync_gradients:
+            return None
+        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self._step_was_skipped = bool(getattr(self.precision, "step_was_skipped", False))
+        return result
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step`` was skipped by the gradient scaler (inf/NaN gradients in fp16)."""
+        return self._step_was_skipped
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state."""
+        return self.optimizer.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state."""
+        self.optimizer.load_state_dict(state_dict)
+
+    @override
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    @override
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"

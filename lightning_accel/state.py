@@ -1,0 +1,234 @@
+"""Accelerate's ``PartialState``, ``AcceleratorState`` and ``GradientState``: state shared within a process.
+
+Each class keeps its attributes in one class-level dictionary (every instance sees the same values), as Accelerate's
+do, so a data loader or optimizer wrapper reads the state the ``Accelerator`` set without holding a reference to it.
+:func:`reset_state` empties all three; tests call it between cases so no state leaks from one test into the next.
+
+Unlike Accelerate, these classes do not create the process group: the Fabric strategy the ``Accelerator`` picks does
+that, then the ``Accelerator`` records what the strategy answers here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any, ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_accel.config import GradientAccumulationPlugin
+from lightning_accel.enums import DistributedType, PrecisionType
+
+__all__ = ["AcceleratorState", "GradientState", "PartialState", "reset_state"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _SharedState:
+    """Instances share one attribute dictionary per class (the Borg pattern)."""
+
+    _shared_state: ClassVar[dict[str, Any]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_shared_state" not in cls.__dict__:
+            cls._shared_state = {}
+
+    def __init__(self) -> None:
+        self.__dict__ = self._shared_state
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the ``Accelerator`` (or the first user) filled in this state."""
+        return bool(self._shared_state)
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        cls._shared_state.clear()
+
+
+class PartialState(_SharedState):
+    """Which process this is and how many there are; the process-control helpers.
+
+    Filled in by the ``Accelerator`` once its strategy is set up. Before that, a bare ``PartialState()`` describes a
+    single process on CPU.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        if not self.initialized:
+            self._configure(DistributedType.NO, torch.device("cpu"), num_processes=1, process_index=0, local_index=0)
+
+    def _configure(
+        self,
+        distributed_type: DistributedType,
+        device: torch.device,
+        *,
+        num_processes: int,
+        process_index: int,
+        local_index: int,
+    ) -> None:
+        self.distributed_type = distributed_type
+        self.device = device
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.local_process_index = local_index
+
+    @property
+    def use_distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is the global main process (rank 0)."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this is the main process of its node."""
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """Whether this is the process with the highest rank."""
+        return self.process_index == self.num_processes - 1
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this call (under the process group's timeout)."""
+        if self.use_distributed and dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    @contextmanager
+    def main_process_first(self) -> Generator[None, None, None]:
+        """Run the body on the main process first, then on the others."""
+        yield from self._goes_first(self.is_main_process)
+
+    @contextmanager
+    def local_main_process_first(self) -> Generator[None, None, None]:
+        """Run the body on each node's main process first, then on the node's other processes."""
+        yield from self._goes_first(self.is_local_main_process)
+
+    def _goes_first(self, is_first: bool) -> Generator[None, None, None]:
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def on_main_process(self, function: _F) -> _F:
+        """Decorate ``function`` so that it runs on the main process only (elsewhere it returns ``None``)."""
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_main_process else None
+
+        return wrapper  # type: ignore[return-value]
+
+
+class AcceleratorState(PartialState):
+    """:class:`PartialState` plus the run's precision and the strategy's distributed type.
+
+    It shares its attributes with :class:`PartialState` (``AcceleratorState().num_processes`` is the same value).
+    """
+
+    _shared_state = PartialState._shared_state
+
+    def __init__(self) -> None:
+        super().__init__()
+        if "mixed_precision" not in self.__dict__:
+            self.mixed_precision = PrecisionType.NO.value
+
+    @classmethod
+    @override
+    def _reset_state(cls) -> None:
+        PartialState._reset_state()
+
+
+class GradientState(_SharedState):
+    """Gradient-accumulation settings and the live state of the loop.
+
+    Attributes:
+        sync_gradients: Whether the current micro-step synchronises gradients and steps the optimizer.
+        plugin_kwargs: The accumulation plugin's non-default fields (Accelerate stores ``to_kwargs()``, so its
+            getters' own defaults apply to the rest: ``adjust_scheduler`` reads ``False`` unless set).
+
+    Args:
+        gradient_accumulation_plugin: Settings of the run; only the first instance of a process applies them.
+
+    """
+
+    def __init__(self, gradient_accumulation_plugin: GradientAccumulationPlugin | None = None) -> None:
+        super().__init__()
+        if not self.initialized:
+            self.sync_gradients = True
+            self._references: list[weakref.ref[Any]] = []
+            self.plugin_kwargs: dict[str, Any] = {}
+        if gradient_accumulation_plugin is not None:
+            self.plugin_kwargs = gradient_accumulation_plugin.to_kwargs()
+
+    @property
+    def num_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return int(self.plugin_kwargs.get("num_steps", 1))
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        """Whether a skipped scheduler step still advances its counter."""
+        return bool(self.plugin_kwargs.get("adjust_scheduler", False))
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        """Whether the last batch of a data loader always synchronises."""
+        return bool(self.plugin_kwargs.get("sync_with_dataloader", True))
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Whether gradients are synchronised at every micro-batch."""
+        return bool(self.plugin_kwargs.get("sync_each_batch", False))
+
+    @property
+    def active_dataloader(self) -> Any | None:
+        """The innermost data loader being iterated, if any."""
+        live = [ref() for ref in self._references]
+        live = [loader for loader in live if loader is not None]
+        return live[-1] if live else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        """Whether a prepared data loader is being iterated."""
+        return self.active_dataloader is not None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """Whether the active data loader yielded (or is yielding) its last batch."""
+        loader = self.active_dataloader
+        return bool(loader is not None and loader.end_of_dataloader)
+
+    @property
+    def remainder(self) -> int:
+        """Samples in the active loader's last global batch (``-1`` when unknown or not iterating)."""
+        loader = self.active_dataloader
+        return -1 if loader is None else int(loader.remainder)
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        self.sync_gradients = sync_gradients
+
+    def _add_dataloader(self, dataloader: Any) -> None:
+        self._references = [*self._references, weakref.ref(dataloader)]
+
+    def _remove_dataloader(self, dataloader: Any) -> None:
+        self._references = [ref for ref in self._references if ref() is not dataloader and ref() is not None]
+
+
+def reset_state() -> None:
+    """Forget every shared state of this process (tests call this between cases)."""
+    AcceleratorState._reset_state()
+    GradientState._reset_state()

@@ -1,0 +1,87 @@
+"""Differential tests: the same script under HF accelerate and lightning_accel, on 1 and 2 CPU processes.
+
+``tests/scripts/accelerator_parity.py`` runs both variants in one launch per process count; the tests compare what
+each rank saved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import SCRIPTS, run_python, torchrun
+
+Results = dict[str, list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1proc", "2proc"])
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Results:
+    out: Path = tmp_path_factory.mktemp(f"accelerator_parity_{request.param}")
+    if request.param == 1:
+        run_python([str(SCRIPTS / "accelerator_parity.py"), "--out", str(out)], timeout=240)
+    else:
+        torchrun("accelerator_parity.py", "--out", str(out), timeout=300)
+    found: Results = {}
+    for path in sorted(out.glob("*_rank*.pt")):
+        name, rank = path.stem.rsplit("_rank", 1)
+        found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
+    assert {len(ranks) for ranks in found.values()} == {request.param}
+    return found
+
+
+def _pairs(results: Results) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return list(zip(results["ours"], results["hf"], strict=True))
+
+
+def test_same_weights_and_losses(results: Results) -> None:
+    for ours, hf in _pairs(results):
+        assert ours["losses"] == hf["losses"]
+        assert ours["weights"].keys() == hf["weights"].keys()
+        for key, value in ours["weights"].items():
+            torch.testing.assert_close(value, hf["weights"][key], rtol=0, atol=0, msg=key)
+
+
+def test_same_process_layout(results: Results) -> None:
+    for ours, hf in _pairs(results):
+        assert ours["num_processes"] == hf["num_processes"] == len(results["ours"])
+        assert ours["distributed_type"] == hf["distributed_type"]
+
+
+def test_same_accumulation_windows_and_learning_rate(results: Results) -> None:
+    for ours, hf in _pairs(results):
+        assert ours["syncs"] == hf["syncs"]
+        assert ours["syncs"][-1] is True  # the end of the data loader always synchronises
+        assert ours["lr"] == hf["lr"]
+
+
+def test_gather_for_metrics_drops_the_padding(results: Results) -> None:
+    for ours, hf in _pairs(results):
+        assert ours["eval_counts"] == hf["eval_counts"] == [11, 11]
+
+
+def test_same_checkpoint_folders_and_files(results: Results) -> None:
+    for ours, hf in _pairs(results):
+        assert ours["folders"] == hf["folders"] == ["checkpoint_1", "checkpoint_2"]
+        assert ours["files"] == hf["files"]
+        expected = {"custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "scheduler.bin"}
+        expected |= {f"random_states_{r}.pkl" for r in range(len(results["ours"]))}
+        assert set(ours["files"]["checkpoint_2"]) == expected
+        assert ours["save_iteration"] == hf["save_iteration"] == 3
+
+
+def test_loads_hf_accelerate_checkpoint(results: Results) -> None:
+    for resumed, hf in zip(results["resume"], results["hf"], strict=True):
+        from_hf = resumed["from_hf"]
+        assert from_hf["lr"] == hf["lr"]
+        assert from_hf["counter"] == 2
+        for key, value in from_hf["weights"].items():
+            torch.testing.assert_close(value, hf["weights"][key], rtol=0, atol=0, msg=key)
+
+
+def test_load_state_restores_the_save_counter(results: Results) -> None:
+    for resumed in results["resume"]:
+        assert resumed["own"]["save_iteration"] == 3
+        assert resumed["next_save"] == "checkpoint_3"
