@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import lightning_accel
 from tests.helpers import SCRIPTS, clean_env, free_port, run_python
 
 FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
@@ -49,6 +52,32 @@ def test_multi_cpu_file_starts_two_processes_for_a_trainer_script(tmp_path: Path
         assert f["distributed_type"] == "MULTI_CPU"
         assert f["process_group_backend"] == "gloo"
         assert f["steps"] == 2
+
+
+def test_multi_cpu_file_runs_an_accelerate_style_script_with_the_command_line_precision(tmp_path: Path) -> None:
+    if not hasattr(lightning_accel, "Accelerator"):
+        pytest.skip("the lightning_accel.Accelerator shim is not in this checkout")
+    out = tmp_path / "out"
+    run_python(
+        [
+            *LAUNCH,
+            "--config_file",
+            str(FIXTURES / "multi_cpu.yaml"),
+            "--mixed_precision",
+            "bf16",
+            str(SCRIPTS / "launch_accelerator.py"),
+            "--out",
+            str(out),
+        ],
+        timeout=TIMEOUT,
+        HF_HOME=str(tmp_path / "hf"),
+    )
+    facts = _rank_facts(out)
+    assert [(f["process_index"], f["local_process_index"]) for f in facts] == [(0, 0), (1, 1)]
+    for f in facts:
+        assert (f["num_processes"], f["distributed_type"], f["device"]) == (2, "MULTI_CPU", "cpu")
+        assert f["mixed_precision"] == "bf16"  # --mixed_precision wins over the file's 'no'
+        assert f["steps"] == 4  # 64 samples, batch 8, split over 2 processes
 
 
 def test_fsdp_file_with_use_cpu_shards_the_model_on_cpu_under_acc_auto(tmp_path: Path) -> None:
