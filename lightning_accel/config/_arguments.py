@@ -185,17 +185,18 @@ def trainer_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
             :func:`build_strategy`.
 
     """
+    precision = lightning_precision(settings.get("mixed_precision"))  # checked before any strategy is built
     kwargs: dict[str, Any] = {
-        "precision": lightning_precision(settings.get("mixed_precision")),
         "accelerator": accelerator_name(settings),
         "devices": processes_per_node(settings),
         "num_nodes": settings.get("num_machines", 1),
+        "strategy": build_strategy(settings),
+        "precision": precision,
     }
-    kwargs["strategy"] = build_strategy(settings)
     accumulation = settings.get("gradient_accumulation_steps")
     if isinstance(accumulation, int):
         kwargs["accumulate_grad_batches"] = accumulation
-    return {key: kwargs[key] for key in ("accelerator", "devices", "num_nodes", "strategy", "precision", *kwargs)}
+    return kwargs
 
 
 def accelerator_kwargs(settings: Mapping[str, Any], plugins: Mapping[str, Any] | None = None) -> dict[str, Any]:
