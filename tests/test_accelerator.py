@@ -1,0 +1,284 @@
+"""Unit tests of the Accelerator shim in one process: accumulation, stepping, data loaders, checkpoints, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel import Accelerator
+from lightning_accel._fabric import Launch, detect_launch
+from lightning_accel.data_loader import DataLoaderShard, SeedableRandomSampler, skip_first_batches
+from lightning_accel.state import AcceleratorState, GradientState, PartialState, reset_state
+from lightning_accel.utils import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    reset_state()
+    yield
+    reset_state()
+
+
+def loader(n: int = 10, batch_size: int = 4, shuffle: bool = False) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size, shuffle=shuffle)
+
+
+def setup(**kwargs: Any) -> tuple[Accelerator, Any, Any, Any]:
+    accelerator = Accelerator(cpu=True, **kwargs)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    return accelerator, model, optimizer, data
+
+
+def run_epoch(accelerator: Accelerator, model: Any, optimizer: Any, data: Any) -> list[tuple[bool, int]]:
+    seen = []
+    for x, y in data:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        seen.append((accelerator.sync_gradients, accelerator.step))
+    return seen
+
+
+def test_accumulation_windows_follow_accelerate() -> None:
+    accelerator, model, optimizer, data = setup(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    data = accelerator.prepare(loader(n=20))  # 5 batches
+    expected = [(False, 1), (True, 2), (False, 3), (True, 4), (True, 0)]
+    assert run_epoch(accelerator, model, optimizer, data) == expected
+    assert run_epoch(accelerator, model, optimizer, data) == expected
+
+
+def test_without_sync_with_dataloader_the_count_carries_over() -> None:
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)
+    accelerator, model, optimizer, _ = setup(gradient_accumulation_plugin=plugin)
+    data = accelerator.prepare(loader(n=20))
+    syncs = [s for _ in range(2) for s, _ in run_epoch(accelerator, model, optimizer, data)]
+    assert syncs == [False, True] * 5
+
+
+def test_optimizer_steps_only_on_sync_and_backward_divides_the_loss() -> None:
+    accelerator, model, optimizer, data = setup(gradient_accumulation_steps=2)
+    x, y = next(iter(data))
+    before = model.weight.detach().clone()
+    with accelerator.accumulate(model):
+        loss = nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not accelerator.sync_gradients
+    assert torch.equal(model.weight, before)
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
+    (nn.functional.mse_loss(reference(x), y) / 2).backward()
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad)
+
+
+def test_scheduler_steps_with_the_optimizer_or_every_call() -> None:
+    for with_optimizer, expected in ((True, 3), (False, 5)):
+        reset_state()
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, step_scheduler_with_optimizer=with_optimizer)
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, loader(n=20), scheduler)
+        for x, y in data:
+            with accelerator.accumulate(model):
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        assert scheduler.get_last_lr() == [0.5**expected]
+        assert not accelerator.optimizer_step_was_skipped
+
+
+def test_prepare_returns_objects_in_order_and_passes_others_through() -> None:
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    marker = object()
+    out = accelerator.prepare(scheduler, loader(), marker, optimizer, model)
+    assert [type(o).__name__ for o in out] == [
+        "AcceleratedScheduler",
+        "DataLoaderShard",
+        "object",
+        "AcceleratedOptimizer",
+        "_FabricModule",
+    ]
+    assert out[2] is marker
+    assert out[0].optimizers == [out[3]]
+    assert accelerator.unwrap_model(out[4]) is model
+
+
+def test_process_information_in_one_process() -> None:
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    assert (accelerator.num_processes, accelerator.process_index, accelerator.local_process_index) == (1, 0, 0)
+    assert accelerator.is_main_process and accelerator.is_local_main_process and accelerator.is_last_process
+    assert not accelerator.use_distributed
+    assert accelerator.distributed_type == "NO"
+    assert accelerator.mixed_precision == "bf16"
+    assert accelerator.device == torch.device("cpu")
+    assert PartialState().num_processes == 1
+    assert AcceleratorState().mixed_precision == "bf16"
+
+
+def test_bf16_autocast_on_cpu() -> None:
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    a = torch.randn(4, 4)
+    with accelerator.autocast():
+        assert (a @ a).dtype == torch.bfloat16
+    assert (a @ a).dtype == torch.float32
+
+
+def test_reset_state_forgets_everything() -> None:
+    Accelerator(cpu=True, gradient_accumulation_steps=3)
+    assert GradientState().num_steps == 3
+    reset_state()
+    assert GradientState().num_steps == 1
+    assert not GradientState().in_dataloader
+    assert PartialState().distributed_type == "NO"
+
+
+def test_gather_for_metrics_and_reduce_in_one_process() -> None:
+    accelerator = Accelerator(cpu=True)
+    data = accelerator.prepare(loader(n=10, batch_size=4))
+    counts = [accelerator.gather_for_metrics(x).shape[0] for x, _ in data]
+    assert counts == [4, 4, 2]
+    assert accelerator.gather_for_metrics(["a", "b"]) == ["a", "b"]
+    assert accelerator.reduce(torch.tensor(2.0)).item() == 2.0
+
+
+def test_data_loader_end_remainder_and_epochs() -> None:
+    accelerator = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=5)
+    )
+    data = accelerator.prepare(loader(n=10, batch_size=4, shuffle=True))
+    assert isinstance(data, DataLoaderShard) and len(data) == 3
+    ends = []
+    for _ in data:
+        ends.append((data.end_of_dataloader, data.remainder, GradientState().in_dataloader))
+    assert ends == [(False, 2, True), (False, 2, True), (True, 2, True)]
+    assert not GradientState().in_dataloader
+    assert data.iteration == 1
+    sampler = data.batch_sampler.sampler
+    assert isinstance(sampler, SeedableRandomSampler)
+    first = [b[0].clone() for b in skip_first_batches(data, 1)]
+    assert len(first) == 2
+
+
+def test_seedable_sampler_matches_accelerate() -> None:
+    from accelerate.data_loader import SeedableRandomSampler as HFSampler
+
+    ours, theirs = SeedableRandomSampler(range(13), data_seed=3), HFSampler(range(13), data_seed=3)
+    for epoch in range(3):
+        ours.set_epoch(epoch)
+        theirs.set_epoch(epoch)
+        assert list(ours) == list(theirs)
+
+
+def test_save_and_load_state_round_trip_and_rotation(tmp_path: Path) -> None:
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    accelerator, model, optimizer, data = setup(project_config=config)
+    run_epoch(accelerator, model, optimizer, data)
+    for _ in range(3):
+        accelerator.save_state()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    saved = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    accelerator.project_configuration.iteration = 0
+    assert Path(accelerator.load_state()).name == "checkpoint_2"
+    assert accelerator.save_iteration == 3
+    for key, value in accelerator.unwrap_model(model).state_dict().items():
+        assert torch.equal(value, saved[key])
+
+
+def test_save_state_errors(tmp_path: Path) -> None:
+    accelerator, *_ = setup(project_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="needs output_dir"):
+        accelerator.save_state()
+    accelerator.project_configuration.automatic_checkpoint_naming = True
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming is on"):
+        accelerator.save_state(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="state_dict"):
+        accelerator.register_for_checkpointing(object())
+
+
+def test_truncated_file_is_named(tmp_path: Path) -> None:
+    accelerator, *_ = setup()
+    accelerator.save_state(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:20])
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
+        accelerator.load_state(tmp_path / "ckpt")
+
+
+def test_custom_object_count_must_match(tmp_path: Path) -> None:
+    accelerator, *_ = setup()
+    accelerator.save_state(tmp_path / "ckpt")
+    accelerator.register_for_checkpointing(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))
+    with pytest.raises(ValueError, match="0 custom_checkpoint"):
+        accelerator.load_state(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"gradient_accumulation_steps": 2, "gradient_accumulation_plugin": GradientAccumulationPlugin(2)},
+            ValueError,
+            "not both",
+        ),
+        ({"mixed_precision": "fp16"}, ValueError, "fp16 mixed precision needs a GPU"),
+        ({"mixed_precision": "fp12"}, ValueError, "fp12"),
+        ({"dataloader_config": {"split_batches": True}}, TypeError, "dataloader_config"),
+        ({"kwargs_handlers": [object()]}, TypeError, "Unsupported kwargs handler"),
+        (
+            {"kwargs_handlers": [DistributedDataParallelKwargs(), DistributedDataParallelKwargs()]},
+            ValueError,
+            "two DistributedDataParallelKwargs",
+        ),
+        ({"rng_types": ["xla"]}, ValueError, "rng_types"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Accelerator(cpu=True, **kwargs)
+
+
+def test_unsupported_loader_configuration_is_refused() -> None:
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    with pytest.raises(ValueError, match="dispatch_batches=True"):
+        accelerator.prepare(loader())
+
+
+def test_detect_launch_reads_the_launchers_variables() -> None:
+    assert detect_launch({}) == Launch(1, 1)
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    assert detect_launch(torchrun) == Launch(4, 2)
+    assert detect_launch(torchrun).num_nodes == 2
+    assert detect_launch({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)", "SLURM_JOB_NAME": "job"}) == Launch(
+        4, 2
+    )
+    assert detect_launch({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "bash"}) == Launch(1, 1)
+    assert detect_launch({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Launch(2, 2)
+    with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
+        detect_launch({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "two"})
