@@ -27,6 +27,7 @@ from lightning_accel.strategies.deepspeed_core import (
     fill_engine_autos,
     resolve_config,
 )
+from lightning_accel.utils import load_full_state_dict
 from tests.helpers import SCRIPTS, run_python, torchrun
 
 NAMES = ["acc_deepspeed", "acc_deepspeed_stage_1", "acc_deepspeed_stage_2", "acc_deepspeed_stage_3"]
@@ -352,6 +353,10 @@ def test_checkpoint_consolidates_into_a_plain_module(
     plain = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
     plain.load_state_dict(consolidate_deepspeed_checkpoint(directory, prefix="net."), strict=True)
     torch.testing.assert_close(plain[0].weight, saved["net.0.weight"], rtol=0, atol=0)
+    # The package-wide reader takes DeepSpeed directories as it takes acc_fsdp files and shard directories.
+    again = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    again.load_state_dict(load_full_state_dict(directory, prefix="net."), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), plain.parameters(), strict=True))
 
 
 def test_fabric_checkpoint_consolidates(run: tuple[dict[str, list[dict[str, Any]]], Path]) -> None:

@@ -542,13 +542,9 @@ def consolidate_deepspeed_checkpoint(
         KeyError: If no key starts with ``prefix``.
 
     """
-    state = _read_deepspeed_checkpoint(Path(path), tag)
-    if not prefix:
-        return state
-    selected = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    if not selected:
-        raise KeyError(f"No key of the checkpoint starts with prefix {prefix!r}; keys look like {next(iter(state))!r}.")
-    return selected
+    from lightning_accel.utils.checkpoint import strip_prefix
+
+    return strip_prefix(_read_deepspeed_checkpoint(Path(path), tag), prefix)
 
 
 def _read_deepspeed_checkpoint(root: Path, tag: str | None) -> dict[str, Tensor]:

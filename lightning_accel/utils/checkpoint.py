@@ -20,10 +20,14 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_KEY) -> dict[str, torch.Tensor]:
-    """Read a model's full state dict from a lightning_accel checkpoint (file or sharded directory), in one process.
+    """Read a model's full state dict from any lightning_accel checkpoint, in one process.
+
+    The weights a checkpoint of one strategy holds load this way into a plain ``nn.Module`` or into a model that
+    another strategy then trains (optimizer states are not portable between FSDP and DeepSpeed).
 
     Args:
-        path: A checkpoint file (``FULL_STATE_DICT``) or directory (``SHARDED_STATE_DICT``).
+        path: A checkpoint file (``FULL_STATE_DICT``, or any Trainer checkpoint), a sharded directory
+            (``acc_fsdp`` with ``SHARDED_STATE_DICT``) or a DeepSpeed checkpoint directory (``acc_deepspeed``).
         prefix: Keep only keys starting with this prefix and strip it, e.g. ``"net."`` to load a LightningModule's
             ``self.net`` into a plain ``nn.Module``.
         key: Where the model sits in the checkpoint: ``"state_dict"`` for the Trainer, the name given to
@@ -34,6 +38,10 @@ def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_K
 
     """
     path = Path(path)
+    if (path / "latest").is_file():  # a DeepSpeed checkpoint directory
+        from lightning_accel.strategies.deepspeed_core import consolidate_deepspeed_checkpoint
+
+        return strip_prefix(consolidate_deepspeed_checkpoint(path), prefix)
     if is_sharded_checkpoint(path):
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -48,10 +56,16 @@ def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_K
         raise KeyError(
             f"The checkpoint at {str(path)!r} has no {key!r} entry; pass `key=` (one of {sorted(checkpoint)})."
         )
-    return _strip_prefix(checkpoint[key], prefix)
+    return strip_prefix(checkpoint[key], prefix)
 
 
-def _strip_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+def strip_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    """Keep the entries whose key starts with ``prefix``, without it (all entries for an empty prefix).
+
+    Raises:
+        KeyError: If no key starts with ``prefix``.
+
+    """
     if not prefix:
         return dict(state)
     selected = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
