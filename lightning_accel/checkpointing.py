@@ -3,7 +3,7 @@
 A checkpoint folder holds ``model.safetensors`` (``model_1.safetensors``, ... or ``pytorch_model.bin`` without safe
 serialization), ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt`` (fp16 with a gradient scaler),
 ``random_states_{rank}.pkl`` (one per process) and ``custom_checkpoint_{i}.pkl`` (registered objects). Model weights
-are the strategy-wrapped module's state dict, as Accelerate writes them.
+are the user's module's state dict (no DDP ``module.`` prefix), as Accelerate writes them.
 
 Differences from Accelerate (its bugs, fixed):
 
@@ -12,6 +12,9 @@ Differences from Accelerate (its bugs, fixed):
 - Rotation (``total_limit``) deletes old folders only after the new checkpoint is written.
 - ``save_state(output_dir)`` with automatic naming on raises instead of ignoring ``output_dir``.
 - An unreadable (e.g. truncated) file raises an error naming the file.
+- ``load_state`` restores the epoch of each prepared data loader (stored as an extra key of
+  ``random_states_{rank}.pkl``), so a run resumed after an epoch continues with the next epoch's order instead of
+  replaying epoch 0's.
 
 This first slice saves single-process and DDP-family runs; FSDP and DeepSpeed checkpoints are not handled yet.
 """
@@ -48,6 +51,8 @@ __all__ = ["checkpoint_folders", "load_state", "save_state"]
 _CHECKPOINT_FOLDER = re.compile(r"^checkpoint_(\d+)$")
 _CUSTOM_FILE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 _WRAPPER_PREFIX = "module."
+# Our addition to `random_states_{rank}.pkl` (Accelerate ignores unknown keys): the epoch each prepared loader is at.
+_LOADER_EPOCHS = "dataloader_iterations"
 
 
 def _indexed(name: str, index: int) -> str:
@@ -125,7 +130,8 @@ def save_state(
         _save_shared(accelerator, target, safe_serialization)
     accelerator.wait_for_everyone()
     target.mkdir(parents=True, exist_ok=True)
-    torch.save(_rng_states(accelerator.step), target / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
+    states = {**_rng_states(accelerator.step), _LOADER_EPOCHS: [dl.iteration for dl in accelerator._dataloaders]}
+    torch.save(states, target / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
     accelerator.wait_for_everyone()
     if accelerator.project_configuration.automatic_checkpoint_naming and accelerator.is_main_process:
         _rotate(target.parent, accelerator.project_configuration.total_limit)
@@ -136,7 +142,7 @@ def save_state(
 
 def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: bool) -> None:
     for i, model in enumerate(accelerator._models):
-        state = model._forward_module.state_dict()
+        state = model.state_dict()  # the user's module, without the strategy's wrapper
         if safe_serialization:
             from safetensors.torch import save_file
 
@@ -227,7 +233,7 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
     """
     source = _source_dir(accelerator, input_dir)
     for i, model in enumerate(accelerator._models):
-        _load_model(model._forward_module, source, i)
+        _load_model(model, source, i)
     for i, optimizer in enumerate(accelerator._optimizers):
         optimizer.load_state_dict(_read(source / _indexed(f"{OPTIMIZER_NAME}.bin", i), _torch_load))
     for i, scheduler in enumerate(accelerator._schedulers):
@@ -255,7 +261,7 @@ def _load_model(module: torch.nn.Module, source: Path, index: int) -> None:
 
 
 def _match_wrapper_prefix(state: Mapping[str, Any], expected: Any) -> dict[str, Any]:
-    """Add or strip DDP's ``module.`` prefix so a checkpoint from 1 process loads on several, and back."""
+    """Add or strip a wrapper's ``module.`` prefix (weights saved from a wrapped model by other tools)."""
     keys = set(expected)
     if set(state) == keys:
         return dict(state)
@@ -287,6 +293,10 @@ def _load_rng(accelerator: Accelerator, source: Path) -> None:
         return
     states = _read(path, _rng_load)
     accelerator.step = int(states.get("step", 0))
+    epochs = states.get(_LOADER_EPOCHS)
+    if epochs is not None and len(epochs) == len(accelerator._dataloaders):
+        for loader, epoch in zip(accelerator._dataloaders, epochs, strict=True):
+            loader.iteration = int(epoch)
     random.setstate(states["random_state"])
     np.random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])

@@ -282,3 +282,49 @@ def test_detect_launch_reads_the_launchers_variables() -> None:
     assert detect_launch({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Launch(2, 2)
     with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
         detect_launch({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "two"})
+
+
+def resumable_run(project_dir: Path) -> tuple[Accelerator, Any, Any, Any, Any]:
+    reset_state()
+    config = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True)
+    accelerator = Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=2,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=4),
+        project_config=config,
+    )
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, loader(n=18, shuffle=True), scheduler)
+    return accelerator, model, optimizer, data, scheduler
+
+
+def train_epoch(accelerator: Accelerator, model: Any, optimizer: Any, data: Any, scheduler: Any) -> None:
+    for x, y in data:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+
+def test_resume_after_an_epoch_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    run = resumable_run(tmp_path / "straight")
+    for _ in range(3):
+        train_epoch(*run[:4], run[4])
+    expected = {k: v.clone() for k, v in run[0].unwrap_model(run[1]).state_dict().items()}
+
+    first = resumable_run(tmp_path / "stopped")
+    train_epoch(*first[:4], first[4])
+    first[0].save_state()
+    resumed = resumable_run(tmp_path / "stopped")
+    torch.manual_seed(123)  # the checkpoint's RNG states replace this
+    resumed[0].load_state()
+    assert resumed[3].iteration == 1  # the loader continues with epoch 1's order
+    for _ in range(2):
+        train_epoch(*resumed[:4], resumed[4])
+    for key, value in resumed[0].unwrap_model(resumed[1]).state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
+    assert resumed[4].get_last_lr() == run[4].get_last_lr()

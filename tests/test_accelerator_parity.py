@@ -85,3 +85,11 @@ def test_load_state_restores_the_save_counter(results: Results) -> None:
     for resumed in results["resume"]:
         assert resumed["own"]["save_iteration"] == 3
         assert resumed["next_save"] == "checkpoint_3"
+
+
+def test_hf_accelerate_loads_our_checkpoint(results: Results) -> None:
+    for loaded, ours in zip(results["hf_loads_ours"], results["ours"], strict=True):
+        assert loaded["lr"] == ours["lr"]
+        assert loaded["counter"] == 2
+        for key, value in loaded["weights"].items():
+            torch.testing.assert_close(value, ours["weights"][key], rtol=0, atol=0, msg=key)

@@ -4,7 +4,7 @@ Launched once, with plain ``python`` (1 process) or under ``torch.distributed.ru
 trains with the seedable sampler, gradient accumulation 2, SGD + StepLR, evaluates with ``gather_for_metrics`` and
 saves automatically named checkpoints with ``total_limit=2``. Each rank then writes ``{variant}_rank{r}.pt`` for
 ``tests/test_accelerator_parity.py``. A last phase resumes lightning_accel from HF accelerate's checkpoint and from its
-own.
+own, and HF accelerate loads lightning_accel's.
 """
 
 from __future__ import annotations
@@ -118,6 +118,16 @@ def resume(hf_checkpoint: Path, project_dir: Path) -> dict[str, Any]:
     return {"from_hf": hf, "own": own, "next_save": Path(next_dir).name}
 
 
+def hf_loads_ours(checkpoint: Path, project_dir: Path) -> dict[str, Any]:
+    """HF accelerate loads lightning_accel's checkpoint."""
+    import accelerate
+
+    accelerator, model, _, _, _, scheduler, counter = build(accelerate, project_dir)
+    accelerator.load_state(str(checkpoint))
+    weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    return {"lr": scheduler.get_last_lr(), "counter": counter.value, "weights": weights}
+
+
 def reset_all() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -144,6 +154,8 @@ def main() -> None:
         results[name] = train(module, out / name)
     reset_all()
     results["resume"] = resume(out / "hf" / "checkpoints" / results["hf"]["folders"][-1], out / "ours")
+    reset_all()
+    results["hf_loads_ours"] = hf_loads_ours(out / "ours" / "checkpoints" / "checkpoint_2", out / "hf_resume")
     for name, result in results.items():
         torch.save(result, out / f"{name}_rank{rank}.pt")
     if torch.distributed.is_initialized():
