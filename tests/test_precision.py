@@ -155,3 +155,26 @@ def test_bf16_mixed_autocasts_on_two_cpu_processes(distributed: dict[str, Any], 
         assert rank["stored_weight"] == "torch.float32"
         # FSDP also casts the gathered parameters for compute (its mixed-precision policy); DDP leaves them in fp32.
         assert rank["weight_in_forward"] == ("torch.float32" if variant == "acc_multi_cpu" else "torch.bfloat16")
+
+
+@pytest.mark.parametrize(("plugin", "expected"), [(BF16Precision(), "bf16-mixed"), (FP32Precision(), "32-true")])
+def test_deepspeed_takes_the_plugins_as_its_own_precision(plugin: Any, expected: str) -> None:
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch.plugins import DeepSpeedPrecision
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="acc_deepspeed", plugins=[plugin], **FLAGS)
+    assert type(trainer.strategy.precision_plugin) is DeepSpeedPrecision
+    assert trainer.strategy.precision_plugin.precision == expected
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="acc_deepspeed", plugins=[plugin])
+    assert fabric.strategy.precision.precision == expected
+
+
+def test_fp8_under_deepspeed_is_refused() -> None:
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch.plugins import DeepSpeedPrecision
+
+    from lightning_accel.strategies.precision_bridge import _as_deepspeed
+
+    fp8 = FP8Precision.__new__(FP8Precision)  # no torchao here: only the type matters for the refusal
+    with pytest.raises(ValueError, match=r"FP8Precision cannot run under acc_deepspeed.*BF16Precision"):
+        _as_deepspeed(fp8, DeepSpeedPrecision)

@@ -21,12 +21,14 @@ from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
+from lightning.pytorch.plugins import DeepSpeedPrecision as TrainerDeepSpeedPrecision
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy as _TrainerDeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -46,6 +48,7 @@ from lightning_accel.strategies.deepspeed_core import (
     consolidate_deepspeed_checkpoint,
     estimated_total_steps,
 )
+from lightning_accel.strategies.precision_bridge import deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
 
 if TYPE_CHECKING:
@@ -136,6 +139,8 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
         """The DeepSpeed settings this strategy runs with."""
         return self._family.plugin
+
+    precision_plugin = deepspeed_translating(_TrainerDeepSpeedStrategy.precision_plugin, TrainerDeepSpeedPrecision)
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -330,6 +335,8 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
         """The DeepSpeed settings this strategy runs with."""
         return self._family.plugin
+
+    precision = deepspeed_translating(_FabricDeepSpeedStrategy.precision, FabricDeepSpeedPrecision)
 
     @property
     def distributed_type(self) -> DistributedType:

@@ -26,3 +26,35 @@ def bind_precision(plugin: Any, devices: Any) -> None:
     """Tell the strategy's plugin which device type it runs on, once Lightning chose the devices."""
     if devices:
         bind_device(plugin, devices[0].type)
+
+
+def deepspeed_translating(base: Any, deepspeed_precision: type) -> Any:
+    """A precision property for DeepSpeed strategies: this package's plugins become DeepSpeed's own precision.
+
+    Under DeepSpeed the engine owns precision (its ``fp16``/``bf16`` config sections, its loss scaler and its
+    backward), so a ``BF16Precision`` given as ``plugins=[...]`` means DeepSpeed's ``"bf16-mixed"``, and so on.
+
+    Raises:
+        ValueError: For ``FP8Precision``, which DeepSpeed's engine does not run.
+
+    """
+    assert isinstance(base, property) and base.fget is not None and base.fset is not None
+    getter, setter = base.fget, base.fset
+
+    def set_translated(strategy: Any, plugin: Any) -> None:
+        setter(strategy, None if plugin is None else _as_deepspeed(plugin, deepspeed_precision))
+
+    return property(getter, set_translated, doc=base.__doc__)
+
+
+def _as_deepspeed(plugin: Any, deepspeed_precision: type) -> Any:
+    from lightning_accel.precision import AcceleratePrecision, FP8Precision
+
+    if not isinstance(plugin, AcceleratePrecision):
+        return plugin
+    if isinstance(plugin, FP8Precision):
+        raise ValueError(
+            "FP8Precision cannot run under acc_deepspeed: DeepSpeed's engine has no float8 path here."
+            " Use BF16Precision (precision='bf16-mixed') with DeepSpeed, or fp8 with acc_fsdp / acc_ddp."
+        )
+    return deepspeed_precision(plugin.precision)
