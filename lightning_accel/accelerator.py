@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from lightning_accel import _fabric, checkpointing
+from lightning_accel._process import ProcessControl
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -37,7 +38,6 @@ from lightning_accel.config import (
 )
 from lightning_accel.data_loader import DataLoaderShard, check_rng_types, prepare_data_loader
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
-from lightning_accel.enums import DistributedType
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
@@ -53,7 +53,7 @@ def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> Non
         raise TypeError(f"`{name}` must be a {names} (or None), got {type(value).__name__}: {value!r}.")
 
 
-class Accelerator:
+class Accelerator(ProcessControl):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
 
     Arguments left at their defaults are read from the launch environment (``ACCELERATE_MIXED_PRECISION``,
@@ -161,57 +161,7 @@ class Accelerator:
         self._dataloaders: list[DataLoaderShard] = []
         self._custom_objects: list[Any] = []
 
-    # ---- process information -------------------------------------------------------------------------------------
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """The Accelerate type of the strategy in use."""
-        return self.state.distributed_type
-
-    @property
-    def mixed_precision(self) -> str:
-        """``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``."""
-        return str(self.state.mixed_precision)
-
-    @property
-    def device(self) -> torch.device:
-        """The device of this process."""
-        return self.fabric.device
-
-    @property
-    def num_processes(self) -> int:
-        """Processes in the run."""
-        return self.state.num_processes
-
-    @property
-    def process_index(self) -> int:
-        """The global rank of this process."""
-        return self.state.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        """The rank of this process on its node."""
-        return self.state.local_process_index
-
-    @property
-    def use_distributed(self) -> bool:
-        """Whether several processes take part."""
-        return self.state.use_distributed
-
-    @property
-    def is_main_process(self) -> bool:
-        """Whether this is global rank 0."""
-        return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """Whether this is rank 0 of its node."""
-        return self.state.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        """Whether this is the highest global rank."""
-        return self.state.is_last_process
+    # ---- configuration ------------------------------------------------------------------------------------------
 
     @property
     def split_batches(self) -> bool:
@@ -232,26 +182,6 @@ class Accelerator:
     def save_iteration(self) -> int:
         """Index of the next automatically named checkpoint."""
         return self.project_configuration.iteration
-
-    def wait_for_everyone(self) -> None:
-        """Block until every process gets here."""
-        self.state.wait_for_everyone()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` once per node."""
-        self.state.print(*args, **kwargs)
-
-    @contextmanager
-    def main_process_first(self) -> Generator[None, None, None]:
-        """Run the body on the main process first, then on the others."""
-        with self.state.main_process_first():
-            yield
-
-    @contextmanager
-    def local_main_process_first(self) -> Generator[None, None, None]:
-        """Run the body on each node's main process first."""
-        with self.state.local_main_process_first():
-            yield
 
     # ---- prepare -------------------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ that, then the ``Accelerator`` records what the strategy answers here.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -124,13 +125,73 @@ class PartialState(_SharedState):
         if self.is_local_main_process:
             print(*args, **kwargs)
 
-    def on_main_process(self, function: _F) -> _F:
-        """Decorate ``function`` so that it runs on the main process only (elsewhere it returns ``None``)."""
+    def _only_where(self, function: _F, runs_here: Callable[[PartialState], bool]) -> _F:
+        """Wrap ``function`` to run where ``runs_here(state)`` holds (checked at each call), else return ``None``."""
 
+        @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
+            state = PartialState()
+            return function(*args, **kwargs) if runs_here(state) or not state.use_distributed else None
 
         return wrapper  # type: ignore[return-value]
+
+    def on_main_process(self, function: _F) -> _F:
+        """Decorate ``function`` to run on the global main process only (elsewhere it returns ``None``)."""
+        return self._only_where(function, lambda s: s.is_main_process)
+
+    def on_local_main_process(self, function: _F) -> _F:
+        """Decorate ``function`` to run on each node's main process only."""
+        return self._only_where(function, lambda s: s.is_local_main_process)
+
+    def on_last_process(self, function: _F) -> _F:
+        """Decorate ``function`` to run on the last process only."""
+        return self._only_where(function, lambda s: s.is_last_process)
+
+    def on_process(self, function: _F | None = None, process_index: int | None = None) -> Any:
+        """Decorate ``function`` to run on global rank ``process_index`` only (``@state.on_process(process_index=1)``).
+
+        Raises:
+            ValueError: If ``process_index`` is missing.
+
+        """
+        index = _required_index("process_index", process_index)
+        if function is None:
+            return functools.partial(self.on_process, process_index=index)
+        return self._only_where(function, lambda s: s.process_index == index)
+
+    def on_local_process(self, function: _F | None = None, local_process_index: int | None = None) -> Any:
+        """Decorate ``function`` to run on local rank ``local_process_index`` of every node only.
+
+        Raises:
+            ValueError: If ``local_process_index`` is missing.
+
+        """
+        index = _required_index("local_process_index", local_process_index)
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=index)
+        return self._only_where(function, lambda s: s.local_process_index == index)
+
+    @contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Generator[Any, None, None]:
+        """Yield this process's contiguous share of ``inputs`` (a list, tuple, tensor, or dict of them).
+
+        The first ``len % num_processes`` processes get one extra element. With ``apply_padding``, shorter shares
+        repeat the last element of ``inputs`` so every process gets the same count (drop those after gathering).
+
+        Raises:
+            ValueError: If the values of a dict differ in length.
+            TypeError: For other input types.
+
+        """
+        if self.num_processes == 1:
+            yield inputs
+            return
+        length = _split_length(inputs)
+        per_process, extras = divmod(length, self.num_processes)
+        start = self.process_index * per_process + min(self.process_index, extras)
+        stop = start + per_process + (1 if self.process_index < extras else 0)
+        width = per_process + (1 if extras else 0) if apply_padding else 0
+        yield _take(inputs, start, stop, width)
 
 
 class AcceleratorState(PartialState):
@@ -226,6 +287,37 @@ class GradientState(_SharedState):
 
     def _remove_dataloader(self, dataloader: Any) -> None:
         self._references = [ref for ref in self._references if ref() is not dataloader and ref() is not None]
+
+
+def _required_index(name: str, value: int | None) -> int:
+    if value is None:
+        raise ValueError(f"Pass {name}=<int>, e.g. @accelerator.on_process({name}=0).")
+    return value
+
+
+def _split_length(inputs: Any) -> int:
+    if isinstance(inputs, dict):
+        lengths = {key: len(value) for key, value in inputs.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"split_between_processes needs dict values of one length, got lengths {lengths}.")
+        return next(iter(lengths.values()), 0)
+    if isinstance(inputs, (list, tuple, torch.Tensor)):
+        return len(inputs)
+    raise TypeError(
+        f"split_between_processes splits lists, tuples, tensors and dicts of them, got {type(inputs).__name__}."
+    )
+
+
+def _take(inputs: Any, start: int, stop: int, width: int) -> Any:
+    if isinstance(inputs, dict):
+        return {key: _take(value, start, stop, width) for key, value in inputs.items()}
+    share = inputs[start:stop]
+    missing = width - len(share)
+    if missing <= 0 or len(inputs) == 0:
+        return share
+    if isinstance(inputs, torch.Tensor):
+        return torch.cat([share, inputs[-1:].expand(missing, *inputs.shape[1:])])
+    return share + type(share)([inputs[-1]] * missing)
 
 
 def reset_state() -> None:

@@ -328,3 +328,33 @@ def test_resume_after_an_epoch_matches_the_uninterrupted_run(tmp_path: Path) -> 
     for key, value in resumed[0].unwrap_model(resumed[1]).state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
     assert resumed[4].get_last_lr() == run[4].get_last_lr()
+
+
+def test_process_helpers_in_one_process() -> None:
+    accelerator = Accelerator(cpu=True)
+    with accelerator.split_between_processes([1, 2, 3]) as share:
+        assert share == [1, 2, 3]
+
+    @accelerator.on_process(process_index=3)
+    def anywhere() -> int:
+        return 1
+
+    assert anywhere() == 1  # one process runs everything, as in Accelerate
+    assert accelerator.on_last_process(lambda: 2)() == 2
+    assert not accelerator.check_trigger()
+    accelerator.set_trigger()
+    assert accelerator.check_trigger()
+    assert not accelerator.check_trigger()
+    with pytest.raises(ValueError, match="process_index"):
+        accelerator.on_process()
+
+
+def test_split_between_processes_validates_input() -> None:
+    state = PartialState()
+    state._configure(state.distributed_type, state.device, num_processes=2, process_index=1, local_index=1)
+    with pytest.raises(ValueError, match="one length"), state.split_between_processes({"a": [1], "b": [1, 2]}):
+        pass
+    with pytest.raises(TypeError, match="set"), state.split_between_processes({1, 2}):
+        pass
+    with state.split_between_processes(torch.arange(3).reshape(3, 1), apply_padding=True) as share:
+        assert share.tolist() == [[2], [2]]

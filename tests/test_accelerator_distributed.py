@@ -65,3 +65,20 @@ def test_gather_for_metrics_returns_each_sample_once(ranks: list[dict[str, Any]]
 
 def test_main_process_first(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["order"] == ["0", "1"]
+
+
+def test_split_between_processes(ranks: list[dict[str, Any]]) -> None:
+    assert [r["split"] for r in ranks] == [["A", "B"], ["C"]]
+    assert [r["padded"] for r in ranks] == [["A", "B"], ["C", "C"]]
+    assert [r["split_dict"] for r in ranks] == [
+        {"x": [0, 1, 2], "y": [0, 1, 2]},
+        {"x": [3, 4, 4], "y": [3, 4, 4]},
+    ]
+
+
+def test_process_decorators(ranks: list[dict[str, Any]]) -> None:
+    assert [r["decorated"] for r in ranks] == [["main", None, None], [None, "one", "last"]]
+
+
+def test_trigger_set_on_one_process_is_seen_by_all_once(ranks: list[dict[str, Any]]) -> None:
+    assert [r["triggered"] for r in ranks] == [[True, False], [True, False]]

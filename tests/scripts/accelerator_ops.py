@@ -36,6 +36,38 @@ def collectives(accelerator: Accelerator) -> dict[str, Any]:
     }
 
 
+def process_helpers(accelerator: Accelerator) -> dict[str, Any]:
+    with accelerator.split_between_processes(["A", "B", "C"]) as letters:
+        split = list(letters)
+    with accelerator.split_between_processes(["A", "B", "C"], apply_padding=True) as letters:
+        padded = list(letters)
+    with accelerator.split_between_processes({"x": torch.arange(5), "y": [0, 1, 2, 3, 4]}, apply_padding=True) as d:
+        split_dict = {"x": d["x"].tolist(), "y": d["y"]}
+
+    @accelerator.on_main_process
+    def on_main() -> str:
+        return "main"
+
+    @accelerator.on_process(process_index=1)
+    def on_one() -> str:
+        return "one"
+
+    @accelerator.on_last_process
+    def on_last() -> str:
+        return "last"
+
+    if accelerator.process_index == 1:
+        accelerator.set_trigger()
+    triggered = [accelerator.check_trigger(), accelerator.check_trigger()]
+    return {
+        "split": split,
+        "padded": padded,
+        "split_dict": split_dict,
+        "decorated": [on_main(), on_one(), on_last()],
+        "triggered": triggered,
+    }
+
+
 def sync_control(accelerator: Accelerator) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Linear(2, 1, bias=False)
@@ -79,6 +111,7 @@ def main() -> None:
     }
     facts.update(collectives(accelerator))
     facts.update(sync_control(accelerator))
+    facts.update(process_helpers(accelerator))
     facts.update(metrics(accelerator))
     facts["order"] = order(accelerator, out)
     torch.save(facts, out / f"ops_rank{accelerator.process_index}.pt")
