@@ -115,10 +115,8 @@ class AcceleratePrecision(Precision):
         return torch.autocast(self.device_type, dtype=self.compute_dtype, **kwargs)
 
     @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        with self.autocast_context_manager():
-            yield
+    def forward_context(self) -> Any:
+        return self.autocast_context_manager()
 
     @override
     def convert_module(self, module: Module) -> Module:
