@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Generator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, cast
 
@@ -23,6 +24,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 from lightning_accel import _fabric, checkpointing
 from lightning_accel._process import ProcessControl
@@ -43,6 +45,7 @@ from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.utils import operations
 from lightning_accel.utils.environment import accelerator_kwargs
+from lightning_accel.utils.other import save
 
 __all__ = ["Accelerator"]
 
@@ -160,6 +163,9 @@ class Accelerator(ProcessControl):
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
         self._custom_objects: list[Any] = []
+        # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
+        self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
     # ---- configuration ------------------------------------------------------------------------------------------
 
@@ -211,7 +217,8 @@ class Accelerator(ProcessControl):
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
         models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not isinstance(obj, _FabricModule)]
         optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
-        if len(models) == 1:  # one model with its optimizers: the strategy sets them up together (DeepSpeed needs it)
+        # One model with its optimizers: the strategy sets them up together (DeepSpeed needs it).
+        if len(models) == 1 and optimizers:
             move = placement[models[0]]
             model, *opts = self.fabric.setup(objects[models[0]], *(objects[i] for i in optimizers), move_to_device=move)
             self._register_model(objects, models[0], model)
@@ -442,6 +449,50 @@ class Accelerator(ProcessControl):
                 f"Objects to checkpoint need `state_dict` and `load_state_dict` methods; these lack them: {invalid}."
             )
         self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(models, weights, output_dir)`` in ``save_state`` before the weights are written.
+
+        The hook may pop entries from ``weights`` (and ``models``) to save them its own way.
+        """
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(models, input_dir)`` in ``load_state`` before the weights are loaded (it may pop models)."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def get_state_dict(self, model: Module, unwrap: bool = True) -> dict[str, Any]:
+        """The model's state dict as the strategy gives it (without the wrapper's prefix when ``unwrap``)."""
+        module = self.unwrap_model(model) if unwrap else getattr(model, "_forward_module", model)
+        return dict(self.fabric.strategy.get_module_state_dict(module))
+
+    def save_model(
+        self,
+        model: Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the model's weights: ``model.safetensors``, or shards and an index past ``max_shard_size``.
+
+        File names and the index are Accelerate's (Hugging Face's), so ``from_pretrained``-style loaders read them.
+        """
+        checkpointing.save_model(
+            self.get_state_dict(model),
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            is_main_process=self.is_main_process,
+        )
+        self.wait_for_everyone()
+
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """Save ``obj`` once (per node with ``save_on_each_node``); see :func:`lightning_accel.utils.other.save`."""
+        save(obj, f, self.project_configuration.save_on_each_node, safe_serialization=safe_serialization)
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
         """Save models, optimizers, schedulers, RNG states and registered objects with Accelerate's file names.

@@ -22,6 +22,7 @@ This first slice saves single-process and DDP-family runs; FSDP and DeepSpeed ch
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import random
 import re
@@ -35,18 +36,22 @@ import numpy as np
 import torch
 
 from lightning_accel.utils.constants import (
+    MODEL_NAME,
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
+    SAFE_MODEL_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
+    WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
 )
 
 if TYPE_CHECKING:
     from lightning_accel.accelerator import Accelerator
 
-__all__ = ["checkpoint_folders", "load_state", "save_state"]
+__all__ = ["checkpoint_folders", "load_state", "save_model", "save_state", "shard_state_dict"]
 
 _CHECKPOINT_FOLDER = re.compile(r"^checkpoint_(\d+)$")
 _CUSTOM_FILE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
@@ -141,8 +146,11 @@ def save_state(
 
 
 def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: bool) -> None:
-    for i, model in enumerate(accelerator._models):
-        state = model.state_dict()  # the user's module, without the strategy's wrapper
+    models = list(accelerator._models)
+    weights = [model.state_dict() for model in models]  # the users' modules, without the strategy's wrapper
+    for hook in list(accelerator._save_state_pre_hooks.values()):
+        hook(models, weights, str(target))  # a hook may pop entries to save them its own way
+    for i, state in enumerate(weights):
         if safe_serialization:
             from safetensors.torch import save_file
 
@@ -232,7 +240,10 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
 
     """
     source = _source_dir(accelerator, input_dir)
-    for i, model in enumerate(accelerator._models):
+    models = list(accelerator._models)
+    for hook in list(accelerator._load_state_pre_hooks.values()):
+        hook(models, str(source))  # a hook may pop models to load them its own way
+    for i, model in enumerate(models):
         _load_model(model, source, i)
     for i, optimizer in enumerate(accelerator._optimizers):
         optimizer.load_state_dict(_read(source / _indexed(f"{OPTIMIZER_NAME}.bin", i), _torch_load))
@@ -314,3 +325,114 @@ def _restore_save_counter(accelerator: Accelerator, source: Path) -> None:
         numbers.append(int(loaded.group(1)))
     if numbers:
         config.iteration = max(config.iteration, max(numbers) + 1)
+
+
+_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+_SHARD_FILE = re.compile(r".*-\d{5}-of-\d{5}")
+
+
+def _size_in_bytes(size: int | str) -> int:
+    """``"10GB"`` -> ``10 * 10**9`` (decimal units, as Hugging Face uses); ints are bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip()
+    unit = text[-2:].upper()
+    try:
+        return int(float(text[:-2]) * _SIZE_UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"max_shard_size={size!r} is not a size; use bytes or e.g. '10GB', '500MB', '1KB'.") from None
+
+
+def shard_state_dict(
+    state: Mapping[str, torch.Tensor], pattern: str, max_shard_size: int | str
+) -> dict[str, list[str]]:
+    """Split ``state`` into files of at most ``max_shard_size`` bytes, as Hugging Face Hub names and fills them.
+
+    Tensors are taken in order and a new shard starts when the next tensor would overflow the current one; a tensor
+    larger than the limit gets a shard of its own. One shard is named ``pattern.format(suffix="")``, several
+    ``pattern.format(suffix="-00001-of-00003")``, ...
+
+    Returns:
+        File name -> tensor names, in order.
+
+    """
+    limit = _size_in_bytes(max_shard_size)
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        if size > limit:
+            shards.append([name])
+            continue
+        if current and current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    if len(shards) <= 1:
+        return {pattern.format(suffix=""): shards[0] if shards else []}
+    return {pattern.format(suffix=f"-{i + 1:05d}-of-{len(shards):05d}"): names for i, names in enumerate(shards)}
+
+
+def _without_shared_storage(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the first name of tensors that share storage (safetensors refuses shared tensors)."""
+    seen: set[tuple[int, int]] = set()
+    kept = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        if key in seen and tensor.numel() > 0:
+            continue
+        seen.add(key)
+        kept[name] = tensor
+    return kept
+
+
+def save_model(
+    state: Mapping[str, torch.Tensor],
+    save_directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "10GB",
+    safe_serialization: bool = True,
+    is_main_process: bool = True,
+) -> None:
+    """Write ``state`` as ``model.safetensors`` (or ``pytorch_model.bin``), sharded with an index past the limit.
+
+    Stale shard files of an earlier save in ``save_directory`` are removed.
+
+    Raises:
+        ValueError: If ``save_directory`` is a file, or ``max_shard_size`` is not a size.
+
+    """
+    directory = Path(save_directory)
+    if directory.is_file():
+        raise ValueError(f"save_model needs a directory, but {directory} is a file.")
+    if not is_main_process:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    if safe_serialization:
+        state = _without_shared_storage(state)
+    pattern = f"{SAFE_MODEL_NAME}{{suffix}}.safetensors" if safe_serialization else f"{MODEL_NAME}{{suffix}}.bin"
+    shards = shard_state_dict(state, pattern, max_shard_size)
+    stem = pattern.split("{")[0]
+    for old in directory.iterdir():
+        stale = old.is_file() and old.name.startswith(stem) and old.name not in shards
+        if stale and _SHARD_FILE.fullmatch(old.name.rsplit(".", 1)[0]):
+            old.unlink()
+    for filename, names in shards.items():
+        shard = {name: state[name] for name in names}
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in shard.items()}, directory / filename, {"format": "pt"}
+            )
+        else:
+            torch.save(shard, directory / filename)
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, names in shards.items() for n in names}}
+        index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+        (directory / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")

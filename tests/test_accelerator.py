@@ -358,3 +358,80 @@ def test_split_between_processes_validates_input() -> None:
         pass
     with state.split_between_processes(torch.arange(3).reshape(3, 1), apply_padding=True) as share:
         assert share.tolist() == [[2], [2]]
+
+
+def deep_model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+@pytest.mark.parametrize(("max_shard_size", "safe"), [("10GB", True), ("1KB", True), (700, False)])
+def test_save_model_writes_accelerates_files(tmp_path: Path, max_shard_size: int | str, safe: bool) -> None:
+    import accelerate
+    from accelerate.state import AcceleratorState as HFAcceleratorState
+    from accelerate.state import GradientState as HFGradientState
+
+    try:
+        accelerate.Accelerator(cpu=True).save_model(deep_model(), tmp_path / "hf", max_shard_size, safe)
+    finally:
+        HFAcceleratorState._reset_state(True)
+        HFGradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(deep_model())
+    accelerator.save_model(model, tmp_path / "ours", max_shard_size=max_shard_size, safe_serialization=safe)
+    ours, theirs = (
+        sorted(p.name for p in (tmp_path / "ours").iterdir()),
+        sorted(p.name for p in (tmp_path / "hf").iterdir()),
+    )
+    assert ours == theirs
+    assert len(ours) == (1 if max_shard_size == "10GB" else len(ours))
+    for name in ours:
+        if name.endswith(".json"):
+            assert (tmp_path / "ours" / name).read_text() == (tmp_path / "hf" / name).read_text()
+
+
+def test_save_model_removes_stale_shards_and_checks_sizes(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(deep_model())
+    accelerator.save_model(model, tmp_path, max_shard_size="1KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    accelerator.save_model(model, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "model.safetensors.index.json"]
+    with pytest.raises(ValueError, match="max_shard_size='lots'"):
+        accelerator.save_model(model, tmp_path, max_shard_size="lots")
+    with pytest.raises(ValueError, match="is a file"):
+        accelerator.save_model(model, tmp_path / "model.safetensors")
+
+
+def test_state_pre_hooks_can_take_over_models(tmp_path: Path) -> None:
+    accelerator, model, *_ = setup()
+    calls: list[str] = []
+
+    def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        calls.append(f"save {len(models)} {Path(output_dir).name}")
+        weights.pop()
+
+    def load_hook(models: list[Any], input_dir: str) -> None:
+        calls.append(f"load {len(models)} {Path(input_dir).name}")
+        models.pop()
+
+    handle = accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    accelerator.save_state(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()
+    accelerator.load_state(tmp_path / "ckpt")  # the hook took the model: no weights file needed
+    handle.remove()
+    accelerator.save_state(tmp_path / "again")
+    assert (tmp_path / "again" / "model.safetensors").is_file()
+    assert calls == ["save 1 ckpt", "load 1 ckpt"]
+    assert set(accelerator.get_state_dict(model)) == {"weight", "bias"}
+
+
+def test_save_writes_once_and_checks_safe_input(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    accelerator.save({"a": [1, 2]}, tmp_path / "obj.pt")
+    assert torch.load(tmp_path / "obj.pt") == {"a": [1, 2]}
+    accelerator.save({"t": torch.ones(2)}, tmp_path / "t.safetensors", safe_serialization=True)
+    assert (tmp_path / "t.safetensors").is_file()
+    with pytest.raises(TypeError, match="dict of tensors"):
+        accelerator.save([1], tmp_path / "x.safetensors", safe_serialization=True)
