@@ -270,7 +270,6 @@ def test_trainer_kwargs_pass_dynamo_settings_to_the_strategy() -> None:
 UNRUNNABLE = {
     "megatron": ("megatron.yaml", "no strategy for DistributedType.MEGATRON_LM yet"),
     "xla": ("tpu.yaml", "no strategy for DistributedType.XLA yet"),
-    "fp8": ("fp8_te.yaml", "'fp8' needs lightning_accel's FP8 precision plugins, which are not implemented yet"),
     "parallelism": ("parallelism.yaml", r"parallelism_config \(parallelism_config_dp_shard_size, .*not supported"),
 }
 
@@ -279,6 +278,39 @@ UNRUNNABLE = {
 def test_trainer_kwargs_refuse_what_has_no_implementation_yet(name: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         load_config(FIXTURES / name).trainer_kwargs()
+
+
+def test_fp8_file_builds_the_fp8_plugin_of_its_backend(tmp_path: Path) -> None:
+    # Neither torchao nor Transformer Engine is installed in CI: building the plugin names the missing package.
+    with pytest.raises(ModuleNotFoundError, match=r"backend='te' needs the `transformer_engine` package"):
+        load_config(FIXTURES / "fp8_te.yaml").trainer_kwargs()
+    ao = tmp_path / "fp8_ao.yaml"
+    ao.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\nfp8_config:\n  backend: AO\n")
+    with pytest.raises(ModuleNotFoundError, match=r"backend='ao' needs the `torchao` package"):
+        load_config(ao).trainer_kwargs()
+    msamp = tmp_path / "fp8_msamp.yaml"
+    msamp.write_text(
+        "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\nfp8_config:\n  backend: MSAMP\n"
+    )
+    with pytest.raises(ValueError, match=r"fp8_config backend 'MSAMP' is not supported"):
+        load_config(msamp).trainer_kwargs()
+
+
+def test_te_recipe_values_come_from_the_file() -> None:
+    from lightning_accel.config._arguments import fp8_recipe
+    from lightning_accel.config.fp8 import TERecipeKwargs
+
+    backend, recipe = fp8_recipe(load_config(FIXTURES / "fp8_te.yaml").settings())
+    assert backend == "te"
+    assert recipe == TERecipeKwargs(
+        use_autocast_during_eval=False,
+        margin=0,
+        interval=1,
+        fp8_format="E4M3",
+        amax_history_len=1024,
+        amax_compute_algo="max",
+        override_linear_precision=(False, False, True),
+    )
 
 
 CONTRADICTIONS = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, build_dynamo_plugin, section_settings
 from lightning_accel.enums import DistributedType, PrecisionType
@@ -21,25 +21,67 @@ _LIGHTNING_PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed
 _DATA_PARALLEL_ON_ANY_DEVICE = "acc_ddp"
 
 
-def lightning_precision(mixed_precision: str | None) -> str:
+def lightning_precision(mixed_precision: str | None) -> str | None:
     """The Trainer ``precision`` for Accelerate's ``mixed_precision`` (``None`` means ``"no"``).
 
-    This is the one place that maps precisions; it gives Lightning's built-in precision names until lightning_accel's
-    precision plugins replace them.
+    ``acc_*`` strategies turn these strings into lightning_accel's precision plugins. ``fp8`` has no Lightning string:
+    it is ``None`` here and comes as a plugin (:func:`precision_plugins`).
 
     Raises:
-        ValueError: For ``"fp8"``, which needs the FP8 precision plugins, or an unknown value.
+        ValueError: For an unknown value.
 
     """
     value = PrecisionType.NO.value if mixed_precision is None else str(mixed_precision).lower()
     if value == PrecisionType.FP8.value:
-        raise ValueError(
-            "mixed_precision 'fp8' needs lightning_accel's FP8 precision plugins, which are not implemented yet; "
-            "use 'bf16' or 'fp16' for now"
-        )
+        return None
     if value not in _LIGHTNING_PRECISION:
         raise ValueError(f"mixed_precision must be one of {PrecisionType.list()}, got {mixed_precision!r}")
     return _LIGHTNING_PRECISION[value]
+
+
+def precision_plugins(settings: Mapping[str, Any]) -> list[Any]:
+    """The Trainer ``plugins`` a precision needs: an ``FP8Precision`` built from ``fp8_config`` for ``fp8``, else none.
+
+    Raises:
+        ValueError: For the MS-AMP backend, which lightning_accel does not run.
+        ModuleNotFoundError: If the backend's package (torchao or transformer_engine) is not installed.
+
+    """
+    if lightning_precision(settings.get("mixed_precision")) is not None:
+        return []
+    from lightning_accel.precision import FP8Precision
+
+    backend, recipe = fp8_recipe(settings)
+    return [FP8Precision(backend, recipe)]
+
+
+def fp8_recipe(settings: Mapping[str, Any]) -> tuple[Literal["ao", "te"], Any]:
+    """The FP8 backend and its recipe kwargs (``AORecipeKwargs`` / ``TERecipeKwargs``) from ``fp8_config``.
+
+    Raises:
+        ValueError: For the MS-AMP backend, which lightning_accel does not run.
+
+    """
+    from lightning_accel.config.fp8 import AORecipeKwargs, TERecipeKwargs
+
+    backend = str(settings.get("fp8_backend", "AO")).upper()
+    if backend == "AO":
+        return "ao", AORecipeKwargs(pad_inner_dim=settings.get("fp8_pad_inner_dim"))
+    if backend == "TE":
+        return "te", TERecipeKwargs(**{field: settings[name] for name, field in _TE_FIELDS.items() if name in settings})
+    raise ValueError(f"fp8_config backend {backend!r} is not supported; use AO (torchao) or TE (Transformer Engine)")
+
+
+# Flat setting name -> TERecipeKwargs field.
+_TE_FIELDS = {
+    "fp8_use_autocast_during_eval": "use_autocast_during_eval",
+    "fp8_margin": "margin",
+    "fp8_interval": "interval",
+    "fp8_format": "fp8_format",
+    "fp8_amax_history_len": "amax_history_len",
+    "fp8_amax_compute_algo": "amax_compute_algo",
+    "fp8_override_linear_precision": "override_linear_precision",
+}
 
 
 def distributed_type(settings: Mapping[str, Any]) -> DistributedType | None:
@@ -186,13 +228,17 @@ def trainer_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
 
     """
     precision = lightning_precision(settings.get("mixed_precision"))  # checked before any strategy is built
+    plugins = precision_plugins(settings)
     kwargs: dict[str, Any] = {
         "accelerator": accelerator_name(settings),
         "devices": processes_per_node(settings),
         "num_nodes": settings.get("num_machines", 1),
         "strategy": build_strategy(settings),
-        "precision": precision,
     }
+    if plugins:
+        kwargs["plugins"] = plugins
+    else:
+        kwargs["precision"] = precision
     accumulation = settings.get("gradient_accumulation_steps")
     if isinstance(accumulation, int):
         kwargs["accumulate_grad_batches"] = accumulation
