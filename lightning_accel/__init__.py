@@ -17,8 +17,11 @@ from lightning_accel.config import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
 )
+from lightning_accel.data_loader import skip_first_batches
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType, PrecisionType
+from lightning_accel.state import AcceleratorState, GradientState, PartialState
 from lightning_accel.strategies import register_strategies, strategy_for
+from lightning_accel.utils.memory import find_executable_batch_size
 
 __version__ = "0.1.0"
 
@@ -27,6 +30,7 @@ register_strategies()
 
 __all__ = [
     "Accelerator",
+    "AcceleratorState",
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
@@ -35,8 +39,12 @@ __all__ = [
     "DistributedType",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
+    "GradientState",
     "InitProcessGroupKwargs",
+    "PartialState",
     "PrecisionType",
     "__version__",
+    "find_executable_batch_size",
+    "skip_first_batches",
     "strategy_for",
 ]

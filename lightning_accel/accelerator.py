@@ -45,7 +45,7 @@ from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.utils import operations
 from lightning_accel.utils.environment import accelerator_kwargs
-from lightning_accel.utils.other import save
+from lightning_accel.utils.other import extract_model_from_parallel, save
 
 __all__ = ["Accelerator"]
 
@@ -407,13 +407,9 @@ class Accelerator(ProcessControl):
 
     # ---- models, memory, end ---------------------------------------------------------------------------------------
 
-    def unwrap_model(self, model: Module, keep_fp32_wrapper: bool = True) -> Module:
-        """The user's own module, without the Fabric and strategy wrappers."""
-        del keep_fp32_wrapper  # autocast lives in the precision plugin, not in a forward wrapper
-        if isinstance(model, _FabricModule):
-            return model.module
-        inner = getattr(model, "module", None)
-        return inner if isinstance(inner, Module) else model
+    def unwrap_model(self, model: Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Module:
+        """The user's own module, without the Fabric and strategy wrappers (and ``torch.compile``'s unless kept)."""
+        return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop the references this accelerator holds, collect garbage and reset :attr:`step`."""

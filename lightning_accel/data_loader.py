@@ -12,13 +12,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 from typing_extensions import override
 
 from lightning_accel.callbacks.seedable_sampler import shard_batches
 from lightning_accel.state import GradientState
 from lightning_accel.utils.operations import send_to_device
+from lightning_accel.utils.random import synchronize_rng_states
 
 __all__ = ["BatchSamplerShard", "DataLoaderShard", "SeedableRandomSampler", "prepare_data_loader", "skip_first_batches"]
 
@@ -134,7 +134,7 @@ class DataLoaderShard(DataLoader):
 
     @override
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not a _BaseDataLoaderIter
-        _synchronize_rng_states(self.rng_types, self.synchronized_generator)
+        synchronize_rng_states(self.rng_types, self.synchronized_generator)
         self._begin()
         try:
             self.set_epoch(self.iteration)
@@ -182,22 +182,6 @@ class DataLoaderShard(DataLoader):
 
 
 _END = object()
-
-
-def _synchronize_rng_states(rng_types: Sequence[str], generator: torch.Generator | None) -> None:
-    """Copy process 0's generator states to every process (a collective call when several processes run)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    for rng_type in rng_types:
-        target = generator if rng_type == "generator" else None
-        if rng_type == "generator" and target is None:
-            continue
-        state = target.get_state() if target is not None else torch.get_rng_state()
-        dist.broadcast(state, src=0)
-        if target is not None:
-            target.set_state(state)
-        else:
-            torch.set_rng_state(state)
 
 
 def check_rng_types(rng_types: Sequence[Any]) -> list[str]:

@@ -82,3 +82,8 @@ def test_process_decorators(ranks: list[dict[str, Any]]) -> None:
 
 def test_trigger_set_on_one_process_is_seen_by_all_once(ranks: list[dict[str, Any]]) -> None:
     assert [r["triggered"] for r in ranks] == [[True, False], [True, False]]
+
+
+def test_device_specific_seeds_then_synchronised_generators(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["seeded"] != ranks[1]["seeded"]
+    assert ranks[0]["synced"] == ranks[1]["synced"]

@@ -1,15 +1,15 @@
-"""Accelerate's ``save`` and ``load``: write once per run (or node), read with ``weights_only`` safety."""
+"""Accelerate's ``save``/``load`` (write once per run or node, read with ``weights_only``) and model unwrapping."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from lightning_accel.state import PartialState
 
-__all__ = ["load", "save"]
+__all__ = ["extract_model_from_parallel", "is_compiled_module", "load", "save", "wait_for_everyone"]
 
 
 def save(
@@ -47,3 +47,33 @@ def load(f: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) -> 
     """``torch.load`` with ``weights_only=True`` unless the caller passes ``weights_only=False``."""
     kwargs.setdefault("weights_only", True)
     return torch.load(f, map_location=map_location, **kwargs)
+
+
+def wait_for_everyone() -> None:
+    """Block until every process gets here (a no-op with one process)."""
+    PartialState().wait_for_everyone()
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` was returned by ``torch.compile``."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def extract_model_from_parallel(
+    model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+) -> torch.nn.Module:
+    """The user's module inside Fabric's, DDP's or DataParallel's wrappers (and ``torch.compile``'s unless kept).
+
+    ``keep_fp32_wrapper`` is accepted for Accelerate's signature: autocast lives in the precision plugin here, not in
+    a forward wrapper.
+    """
+    del keep_fp32_wrapper
+    from lightning.fabric.wrappers import _FabricModule
+
+    if isinstance(model, _FabricModule):
+        model = model.module
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = cast(torch.nn.Module, model.module)
+    if not keep_torch_compile and is_compiled_module(model):
+        model = cast(torch.nn.Module, model._orig_mod)
+    return model

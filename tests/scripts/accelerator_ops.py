@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import Accelerator
-from lightning_accel.utils import operations
+from lightning_accel.utils import operations, set_seed, synchronize_rng_state
 
 
 def collectives(accelerator: Accelerator) -> dict[str, Any]:
@@ -59,7 +59,13 @@ def process_helpers(accelerator: Accelerator) -> dict[str, Any]:
     if accelerator.process_index == 1:
         accelerator.set_trigger()
     triggered = [accelerator.check_trigger(), accelerator.check_trigger()]
+    set_seed(10, device_specific=True)
+    seeded = torch.rand(1).item()
+    synchronize_rng_state("torch")
+    synced = torch.rand(1).item()
     return {
+        "seeded": seeded,
+        "synced": synced,
         "split": split,
         "padded": padded,
         "split_dict": split_dict,
