@@ -435,3 +435,28 @@ def test_save_writes_once_and_checks_safe_input(tmp_path: Path) -> None:
     assert (tmp_path / "t.safetensors").is_file()
     with pytest.raises(TypeError, match="dict of tensors"):
         accelerator.save([1], tmp_path / "x.safetensors", safe_serialization=True)
+
+
+def test_clip_grad_norm_and_value_match_torch() -> None:
+    accelerator, model, _, data = setup()
+    x, y = next(iter(data))
+    accelerator.backward(nn.functional.mse_loss(model(x), y) * 100)
+    grads = [p.grad.clone() for p in model.parameters()]
+    expected = torch.nn.utils.get_total_norm(grads)
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    torch.testing.assert_close(norm, expected)
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    torch.testing.assert_close(clipped, torch.tensor(0.5), atol=1e-5, rtol=0)
+    accelerator.clip_grad_norm_([model.weight], max_norm=0.1)  # a subset: clipped directly
+    assert float(model.weight.grad.norm()) <= 0.1 + 1e-6
+    accelerator.clip_grad_value_(model.parameters(), clip_value=0.01)
+    assert all(float(p.grad.abs().max()) <= 0.01 for p in model.parameters())
+
+
+def test_free_memory_drops_references_and_resets_step() -> None:
+    accelerator, model, optimizer, data = setup(gradient_accumulation_steps=2)
+    run_epoch(accelerator, model, optimizer, data)
+    accelerator.step = 3
+    assert accelerator.free_memory(model, optimizer) == [None, None]
+    assert accelerator.step == 0
+    assert accelerator._models == [] and accelerator._optimizers == []
