@@ -1,4 +1,5 @@
-"""Per-step overhead of lightning_accel's ``acc_no`` strategy against raw PyTorch and Lightning's own strategy.
+"""Per-step overhead of lightning_accel's ``acc_no`` strategy and ``Accelerator`` shim against raw PyTorch, Lightning's
+own strategy and HF accelerate's ``Accelerator``.
 
 Workload (shared/reference/benchmarks.md): ``Linear(64, 128) -> ReLU -> Linear(128, 1)``, SGD lr 1e-3, MSE loss,
 batches of 32 random rows, one thread. Variants run interleaved in rounds inside one process, because these machines
@@ -113,12 +114,47 @@ def fabric(strategy: str) -> Callable[[int, int], list[float]]:
     return run
 
 
+def accelerator(package: str) -> Callable[[int, int], list[float]]:
+    """The Accelerate loop (``with accumulate: backward; step; zero_grad``) under ``package``'s ``Accelerator``."""
+
+    def run(steps: int, warmup: int) -> list[float]:
+        import importlib
+
+        module = importlib.import_module(package)
+        _reset_accelerator_states()
+        acc = module.Accelerator(cpu=True)
+        net = make_net()
+        model, opt, data = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=1e-3), make_loader(steps))
+        stamps = [time.perf_counter()]
+        for x, y in data:
+            with acc.accumulate(model):
+                acc.backward(nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+            stamps.append(time.perf_counter())
+        return step_times(stamps, warmup)
+
+    return run
+
+
+def _reset_accelerator_states() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lightning_accel.state import reset_state
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    reset_state()
+
+
 VARIANTS: dict[str, Callable[[int, int], list[float]]] = {
     "raw": raw,
     "trainer[single_device]": trainer("single_device"),
     "trainer[acc_no]": trainer("acc_no"),
     "fabric[auto]": fabric("auto"),
     "fabric[acc_no]": fabric("acc_no"),
+    "accelerator[ours]": accelerator("lightning_accel"),
+    "accelerator[hf]": accelerator("accelerate"),
 }
 
 
@@ -141,6 +177,9 @@ def main() -> None:
         print(f"{name:<24}{median * 1e6:>16.1f}{median / base:>14.3f}")
     acc = statistics.median(samples["trainer[acc_no]"]) / statistics.median(samples["trainer[single_device]"])
     print(f"acc_no / Lightning single_device (Trainer): {acc:.3f}  (target <= 1.05)")
+    shim = statistics.median(samples["accelerator[ours]"])
+    print(f"Accelerator shim / raw: {shim / base:.3f}  (target <= 1.10)")
+    print(f"Accelerator shim / HF accelerate: {shim / statistics.median(samples['accelerator[hf]']):.3f}  (target < 1)")
 
 
 if __name__ == "__main__":
