@@ -44,7 +44,7 @@ from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.utils import operations
-from lightning_accel.utils.environment import accelerator_kwargs
+from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
 from lightning_accel.utils.other import extract_model_from_parallel, save
 
 __all__ = ["Accelerator"]
@@ -147,6 +147,7 @@ class Accelerator(ProcessControl):
             num_processes=self.fabric.world_size,
             process_index=self.fabric.global_rank,
             local_index=self.fabric.local_rank,
+            debug=bool(settings_from_env().get("debug", False)),
         )
         self.state.mixed_precision = str(settings["mixed_precision"])
         self.gradient_state = GradientState(plugin)
@@ -428,6 +429,9 @@ class Accelerator(ProcessControl):
     def end_training(self) -> None:
         """Finish the run: destroy the process group."""
         if dist.is_available() and dist.is_initialized():
+            # Collect cycles first (e.g. a caught collective error's traceback): a gloo work object freed only at
+            # interpreter exit deadlocks on the GIL.
+            gc.collect()
             dist.destroy_process_group()
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------

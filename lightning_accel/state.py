@@ -71,8 +71,10 @@ class PartialState(_SharedState):
         num_processes: int,
         process_index: int,
         local_index: int,
+        debug: bool = False,
     ) -> None:
         self.distributed_type = distributed_type
+        self.debug = debug
         self.device = device
         self.num_processes = num_processes
         self.process_index = process_index

@@ -87,3 +87,10 @@ def test_trigger_set_on_one_process_is_seen_by_all_once(ranks: list[dict[str, An
 def test_device_specific_seeds_then_synchronised_generators(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["seeded"] != ranks[1]["seeded"]
     assert ranks[0]["synced"] == ranks[1]["synced"]
+
+
+def test_debug_mode_reports_shape_mismatches_instead_of_hanging(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["debug"] is True
+        assert "gather needs the same shapes" in r["mismatch"]
+        assert "process 0: [1]" in r["mismatch"] and "process 1: [2]" in r["mismatch"]

@@ -54,6 +54,7 @@ from lightning_accel.utils.constants import (
 )
 from lightning_accel.utils.memory import find_executable_batch_size, release_memory, should_reduce_batch_size
 from lightning_accel.utils.operations import (
+    DistributedOperationException,
     broadcast,
     broadcast_object_list,
     concatenate,
@@ -109,6 +110,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
+    "DistributedOperationException",
     "DistributedType",
     "DynamoBackend",
     "EnumWithContains",

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "DistributedOperationException",
     "broadcast",
     "broadcast_object_list",
     "concatenate",
@@ -125,6 +126,34 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+class DistributedOperationException(Exception):
+    """Processes called a collective with tensors of different shapes (reported in ``ACCELERATE_DEBUG_MODE``)."""
+
+
+def _shapes(data: Any) -> Any:
+    return recursively_apply(lambda t: list(t.shape), data)
+
+
+def _verify_shapes(operation: str, data: Any) -> None:
+    """In debug mode, compare the input shapes of every process first, and raise on a mismatch instead of hanging.
+
+    Raises:
+        DistributedOperationException: Listing each process's shapes.
+
+    """
+    from lightning_accel.state import PartialState
+
+    if _world_size() == 1 or not getattr(PartialState(), "debug", False):
+        return
+    parts: list[Any] = [None] * _world_size()
+    dist.all_gather_object(parts, _shapes(data))
+    if any(part != parts[0] for part in parts):
+        listing = "\n".join(f"  - process {rank}: {shape}" for rank, shape in enumerate(parts))
+        raise DistributedOperationException(
+            f"{operation} needs the same shapes on every process (pad_across_processes first), got:\n{listing}"
+        )
+
+
 def gather(tensor: Any) -> Any:
     """Concatenate ``tensor`` from every process along dim 0 (0-d tensors become 1-d first).
 
@@ -139,6 +168,7 @@ def gather(tensor: Any) -> Any:
         dist.all_gather(parts, value.contiguous())
         return torch.cat(parts, dim=0)
 
+    _verify_shapes("gather", tensor)
     return recursively_apply(gather_one, tensor, error_on_other_type=True)
 
 
@@ -166,6 +196,7 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
             dist.broadcast(value, src=from_process)
         return value
 
+    _verify_shapes("broadcast", tensor)
     return recursively_apply(broadcast_one, tensor, error_on_other_type=True)
 
 
@@ -196,6 +227,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
                 result /= _world_size()
         return result * scale if scale != 1.0 else result
 
+    _verify_shapes("reduce", tensor)
     return recursively_apply(reduce_one, tensor, error_on_other_type=True)
 
 

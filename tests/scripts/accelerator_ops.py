@@ -6,6 +6,7 @@ Each rank writes ``ops_rank{r}.pt`` with what it observed, for ``tests/test_acce
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     out: Path = parser.parse_args().out
+    os.environ["ACCELERATE_DEBUG_MODE"] = "true"  # as `accelerate launch --debug` sets it
     accelerator = Accelerator(cpu=True)
     facts: dict[str, Any] = {
         "num_processes": accelerator.num_processes,
@@ -120,6 +122,11 @@ def main() -> None:
     facts.update(process_helpers(accelerator))
     facts.update(metrics(accelerator))
     facts["order"] = order(accelerator, out)
+    facts["debug"] = accelerator.state.debug
+    try:
+        accelerator.gather(torch.zeros(accelerator.process_index + 1))
+    except operations.DistributedOperationException as err:
+        facts["mismatch"] = str(err)
     torch.save(facts, out / f"ops_rank{accelerator.process_index}.pt")
     accelerator.end_training()
 
