@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
 from lightning_accel import _fabric, checkpointing
 from lightning_accel._process import ProcessControl
@@ -43,6 +44,7 @@ from lightning_accel.data_loader import skip_first_batches as _skip_first_batche
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
+from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
 from lightning_accel.utils import operations
 from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
 from lightning_accel.utils.other import extract_model_from_parallel, save
@@ -56,7 +58,7 @@ def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> Non
         raise TypeError(f"`{name}` must be a {names} (or None), got {type(value).__name__}: {value!r}.")
 
 
-class Accelerator(ProcessControl):
+class Accelerator(ProcessControl, TrackingMixin):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
 
     Arguments left at their defaults are read from the launch environment (``ACCELERATE_MIXED_PRECISION``,
@@ -81,6 +83,7 @@ class Accelerator(ProcessControl):
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``InitProcessGroupKwargs``, ``AutocastKwargs``,
             ``GradScalerKwargs``; each goes to the strategy or precision plugin that uses it.
         dynamo_plugin: ``torch.compile`` settings applied by the strategy when a model is prepared.
+        log_with: ``"tensorboard"``, ``"all"``, :class:`~lightning_accel.tracking.GeneralTracker` objects, or a list.
 
     Raises:
         TypeError: For arguments of the wrong type.
@@ -104,6 +107,7 @@ class Accelerator(ProcessControl):
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
+        log_with: str | GeneralTracker | Sequence[str | GeneralTracker] | None = None,
     ) -> None:
         _check_type("dataloader_config", dataloader_config, DataLoaderConfiguration)
         _check_type("project_config", project_config, ProjectConfiguration)
@@ -158,6 +162,8 @@ class Accelerator(ProcessControl):
             self.project_configuration.set_directories(project_dir)
         self.rng_types = check_rng_types(["generator"] if rng_types is None else rng_types)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.log_with = resolve_trackers(log_with)
+        self.trackers: list[GeneralTracker] = []
         self.step = 0
         self._models: list[_FabricModule] = []
         self._optimizers: list[AcceleratedOptimizer] = []
@@ -181,6 +187,7 @@ class Accelerator(ProcessControl):
         return self.project_configuration.project_dir
 
     @property
+    @override
     def logging_dir(self) -> str | None:
         """Directory of file-based trackers."""
         return self.project_configuration.logging_dir
@@ -427,7 +434,8 @@ class Accelerator(ProcessControl):
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish the run: destroy the process group."""
+        """Finish the run: close the trackers, destroy the process group."""
+        self._finish_trackers()
         if dist.is_available() and dist.is_initialized():
             # Collect cycles first (e.g. a caught collective error's traceback): a gloo work object freed only at
             # interpreter exit deadlocks on the GIL.
