@@ -36,11 +36,13 @@ from lightning_accel.config import (
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     KwargsHandler,
+    MegatronLMPlugin,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
 from lightning_accel.data_loader import DataLoaderShard, check_rng_types, prepare_data_loader
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
+from lightning_accel.enums import DynamoBackend
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
@@ -84,6 +86,8 @@ class Accelerator(ProcessControl, TrackingMixin):
             ``GradScalerKwargs``; each goes to the strategy or precision plugin that uses it.
         dynamo_plugin: ``torch.compile`` settings applied by the strategy when a model is prepared.
         log_with: ``"tensorboard"``, ``"all"``, :class:`~lightning_accel.tracking.GeneralTracker` objects, or a list.
+        megatron_lm_plugin: Accepted for Accelerate's signature; there is no Megatron-LM strategy yet (raises).
+        dynamo_backend: Shorthand for ``dynamo_plugin=TorchDynamoPlugin(backend=...)``.
 
     Raises:
         TypeError: For arguments of the wrong type.
@@ -108,6 +112,8 @@ class Accelerator(ProcessControl, TrackingMixin):
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
         log_with: str | GeneralTracker | Sequence[str | GeneralTracker] | None = None,
+        megatron_lm_plugin: MegatronLMPlugin | None = None,
+        dynamo_backend: DynamoBackend | str | None = None,
     ) -> None:
         _check_type("dataloader_config", dataloader_config, DataLoaderConfiguration)
         _check_type("project_config", project_config, ProjectConfiguration)
@@ -115,6 +121,11 @@ class Accelerator(ProcessControl, TrackingMixin):
         _check_type("deepspeed_plugin", deepspeed_plugin, DeepSpeedPlugin)
         _check_type("fsdp_plugin", fsdp_plugin, FullyShardedDataParallelPlugin)
         _check_type("dynamo_plugin", dynamo_plugin, TorchDynamoPlugin)
+        _check_type("megatron_lm_plugin", megatron_lm_plugin, MegatronLMPlugin)
+        if dynamo_backend is not None:
+            if dynamo_plugin is not None:
+                raise ValueError("Pass dynamo_backend or dynamo_plugin, not both: set TorchDynamoPlugin(backend=...).")
+            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)  # type: ignore[arg-type]  # validated there
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError(
                 "Pass gradient_accumulation_steps or gradient_accumulation_plugin, not both: set"
@@ -130,6 +141,7 @@ class Accelerator(ProcessControl, TrackingMixin):
                 "fsdp_plugin": fsdp_plugin,
                 "deepspeed_plugin": deepspeed_plugin,
                 "dynamo_plugin": dynamo_plugin,
+                "megatron_lm_plugin": megatron_lm_plugin,
             }
         )
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
@@ -139,7 +151,8 @@ class Accelerator(ProcessControl, TrackingMixin):
         self.autocast_handler: AutocastKwargs | None = handlers.get("autocast_kwargs")  # type: ignore[assignment]
         launch = _fabric.detect_launch()
         device = _fabric.device_type(bool(settings["cpu"]))
-        plugins = {name: settings.get(name) for name in ("fsdp_plugin", "deepspeed_plugin", "dynamo_plugin")}
+        plugin_names = ("fsdp_plugin", "deepspeed_plugin", "megatron_lm_plugin", "dynamo_plugin")
+        plugins = {name: settings.get(name) for name in plugin_names}
         dtype = _fabric.distributed_type(launch, device, plugins)
         self.fabric = _fabric.build_fabric(
             dtype, device, launch, mixed_precision=settings["mixed_precision"], handlers=handlers, plugins=plugins

@@ -153,3 +153,50 @@ def test_get_logger_logs_on_the_main_process_only(caplog: pytest.LogCaptureFixtu
     assert [r.getMessage() for r in caplog.records] == ["from main", "shown everywhere"]
     with pytest.raises(ValueError, match="LOUD"):
         get_logger("x", log_level="LOUD")
+
+
+def test_environment_checks() -> None:
+    from lightning_accel.utils import (
+        is_bf16_available,
+        is_mps_available,
+        is_npu_available,
+        is_torch_version,
+        is_torch_xla_available,
+        is_xpu_available,
+    )
+
+    assert is_torch_version(">=", "2.0") and not is_torch_version("<", "2.0")
+    with pytest.raises(ValueError, match="~="):
+        is_torch_version("~=", "2.0")
+    assert is_bf16_available() is (torch.cuda.is_bf16_supported() if torch.cuda.is_available() else True)
+    assert {is_mps_available(), is_npu_available(), is_xpu_available(), is_torch_xla_available()} <= {True, False}
+
+
+def test_convert_outputs_to_fp32() -> None:
+    from lightning_accel.utils import convert_outputs_to_fp32
+
+    forward = convert_outputs_to_fp32(lambda x: {"y": x.to(torch.bfloat16), "n": 3})
+    assert forward(torch.ones(2))["y"].dtype == torch.float32
+
+
+def test_dynamo_backend_compiles_and_megatron_is_refused() -> None:
+    from lightning_accel.utils import MegatronLMPlugin, is_compiled_module
+
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")
+    inner = nn.Linear(2, 1)
+    prepared = accelerator.prepare(inner)
+    assert accelerator.unwrap_model(prepared) is inner
+    assert inner._compiled_call_impl is not None  # the strategy compiles in place (nn.Module.compile)
+    assert not is_compiled_module(inner)
+    assert prepared(torch.ones(1, 2)).shape == (1, 1)
+    reset_state()
+    with pytest.raises(ValueError, match="not both"):
+        Accelerator(cpu=True, dynamo_backend="eager", dynamo_plugin=accelerator_dynamo_plugin())
+    with pytest.raises(ValueError, match="MEGATRON_LM"):
+        Accelerator(cpu=True, megatron_lm_plugin=MegatronLMPlugin())
+
+
+def accelerator_dynamo_plugin() -> object:
+    from lightning_accel.utils import TorchDynamoPlugin
+
+    return TorchDynamoPlugin(backend="eager")

@@ -6,6 +6,7 @@ under its timeout; without a process group, or with one process, they return the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "concatenate",
+    "convert_outputs_to_fp32",
     "convert_to_fp32",
     "find_batch_size",
     "gather",
@@ -296,6 +298,16 @@ def convert_to_fp32(tensor: Any) -> Any:
         return isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16)
 
     return recursively_apply(lambda t: t.float(), tensor, test_type=is_half)
+
+
+def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a forward function so that its fp16/bf16 outputs come back as fp32."""
+
+    @functools.wraps(model_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return convert_to_fp32(model_forward(*args, **kwargs))
+
+    return forward
 
 
 def listify(data: Any) -> Any:
