@@ -487,9 +487,22 @@ class Accelerator(ProcessControl, TrackingMixin):
         return handle
 
     def get_state_dict(self, model: Module, unwrap: bool = True) -> dict[str, Any]:
-        """The model's state dict as the strategy gives it (without the wrapper's prefix when ``unwrap``)."""
-        module = self.unwrap_model(model) if unwrap else getattr(model, "_forward_module", model)
-        return dict(self.fabric.strategy.get_module_state_dict(module))
+        """The model's full state dict (on every process, or on the main process only for sharded weights).
+
+        Sharded (DTensor) weights are gathered to the main process's CPU, as Accelerate does under FSDP2; the other
+        processes get ``{}``.
+
+        With ``unwrap=False`` it is the strategy-wrapped module's own state dict (DDP keys keep ``module.``).
+        """
+        if not unwrap:
+            return dict(self.fabric.strategy.get_module_state_dict(getattr(model, "_forward_module", model)))
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        module = self.unwrap_model(model)
+        sharded = any(isinstance(p, DTensor) for p in module.parameters())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=sharded)  # torch gathers for any parallelism
+        return dict(get_model_state_dict(module, options=options))
 
     def save_model(
         self,
