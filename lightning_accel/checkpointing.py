@@ -128,6 +128,7 @@ def save_state(
         ValueError: For a missing or conflicting destination.
 
     """
+    _refuse_sharded(list(accelerator._models))
     target = _target_dir(accelerator, output_dir)
     accelerator.wait_for_everyone()  # every process checked the target before any creates it
     if _writes_shared_files(accelerator):
@@ -167,6 +168,23 @@ def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: boo
         torch.save(scaler.state_dict(), target / SCALER_NAME)
     for i, obj in enumerate(accelerator._custom_objects):
         torch.save(obj.state_dict(), target / f"custom_checkpoint_{i}.pkl")
+
+
+def _refuse_sharded(models: list[torch.nn.Module]) -> None:
+    """Raise on every process (before any barrier) when a model has sharded (DTensor) parameters.
+
+    Raises:
+        ValueError: Naming the first sharded parameter and what to use instead.
+
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = [name for model in models for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"save_state cannot write sharded (FSDP) weights yet ({sharded[0]!r} is a DTensor); use"
+            " accelerator.save_model(model, directory), which gathers them."
+        )
 
 
 def _rng_states(step: int) -> dict[str, Any]:
