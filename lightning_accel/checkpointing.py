@@ -12,9 +12,9 @@ Differences from Accelerate (its bugs, fixed):
 - Rotation (``total_limit``) deletes old folders only after the new checkpoint is written.
 - ``save_state(output_dir)`` with automatic naming on raises instead of ignoring ``output_dir``.
 - An unreadable (e.g. truncated) file raises an error naming the file.
-- ``load_state`` restores the epoch of each prepared data loader (stored as an extra key of
-  ``random_states_{rank}.pkl``), so a run resumed after an epoch continues with the next epoch's order instead of
-  replaying epoch 0's.
+- ``load_state`` restores the epoch and position of each prepared data loader (extra keys of
+  ``random_states_{rank}.pkl``), so a resumed run continues with the next batch of the right epoch instead of
+  replaying epoch 0 (exact with the seedable sampler, whose order depends only on the epoch).
 
 This first slice saves single-process and DDP-family runs; FSDP and DeepSpeed checkpoints are not handled yet.
 """
@@ -58,6 +58,7 @@ _CUSTOM_FILE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 _WRAPPER_PREFIX = "module."
 # Our addition to `random_states_{rank}.pkl` (Accelerate ignores unknown keys): the epoch each prepared loader is at.
 _LOADER_EPOCHS = "dataloader_iterations"
+_LOADER_POSITIONS = "dataloader_positions"  # batches of that epoch already consumed
 
 
 def _indexed(name: str, index: int) -> str:
@@ -136,7 +137,12 @@ def save_state(
         _save_shared(accelerator, target, safe_serialization)
     accelerator.wait_for_everyone()
     target.mkdir(parents=True, exist_ok=True)
-    states = {**_rng_states(accelerator.step), _LOADER_EPOCHS: [dl.iteration for dl in accelerator._dataloaders]}
+    loaders = accelerator._dataloaders
+    states = {
+        **_rng_states(accelerator.step),
+        _LOADER_EPOCHS: [dl.iteration for dl in loaders],
+        _LOADER_POSITIONS: [dl.position for dl in loaders],
+    }
     torch.save(states, target / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
     accelerator.wait_for_everyone()
     if accelerator.project_configuration.automatic_checkpoint_naming and accelerator.is_main_process:
@@ -322,10 +328,13 @@ def _load_rng(accelerator: Accelerator, source: Path) -> None:
         return
     states = _read(path, _rng_load)
     accelerator.step = int(states.get("step", 0))
+    loaders = accelerator._dataloaders
     epochs = states.get(_LOADER_EPOCHS)
-    if epochs is not None and len(epochs) == len(accelerator._dataloaders):
-        for loader, epoch in zip(accelerator._dataloaders, epochs, strict=True):
+    positions = states.get(_LOADER_POSITIONS) or [0] * len(loaders)
+    if epochs is not None and len(epochs) == len(positions) == len(loaders):
+        for loader, epoch, position in zip(loaders, epochs, positions, strict=True):
             loader.iteration = int(epoch)
+            loader.resume_position = int(position)
     random.setstate(states["random_state"])
     np.random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])

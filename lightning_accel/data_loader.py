@@ -102,6 +102,7 @@ class DataLoaderShard(DataLoader):
         skip_batches: Batches skipped at the start of every iteration.
         end_of_dataloader: Whether the batch being processed is the last one.
         remainder: Samples in the last global batch (``-1`` when unknown or with ``drop_last``).
+        position: Batches of the current epoch handed out so far (0 between epochs); ``load_state`` resumes there.
 
     """
 
@@ -124,6 +125,8 @@ class DataLoaderShard(DataLoader):
         self.iteration = 0
         self.end_of_dataloader = False
         self.remainder = -1
+        self.position = 0
+        self.resume_position = 0  # one-shot skip for the next iteration, set by load_state
         self.gradient_state = GradientState()
 
     @property
@@ -138,20 +141,24 @@ class DataLoaderShard(DataLoader):
         self._begin()
         try:
             self.set_epoch(self.iteration)
-            yield from self._look_ahead(super().__iter__())
+            skip, self.resume_position = max(self.skip_batches, self.resume_position), 0
+            yield from self._look_ahead(super().__iter__(), skip)
             self.iteration += 1
+            self.position = 0
         finally:
             self.gradient_state._remove_dataloader(self)
 
-    def _look_ahead(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _look_ahead(self, batches: Iterator[Any], skip: int) -> Iterator[Any]:
         current = next(batches, _END)
         index = 0
+        self.position = skip
         while current is not _END:
             if self.device is not None:
                 current = send_to_device(current, self.device, non_blocking=self.non_blocking)
             upcoming = next(batches, _END)
             self.end_of_dataloader = upcoming is _END
-            if index >= self.skip_batches:
+            if index >= skip:
+                self.position = index + 1
                 yield current
             index += 1
             current = upcoming
@@ -169,7 +176,12 @@ class DataLoaderShard(DataLoader):
         return bool(getattr(self.batch_sampler, "drop_last", self.drop_last))
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of this loader and of every sampler below it that has ``set_epoch``."""
+        """Set the epoch of this loader and of every sampler below it that has ``set_epoch``.
+
+        Moving to another epoch than the one ``load_state`` restored drops the restored position.
+        """
+        if epoch != self.iteration:
+            self.resume_position = 0
         self.iteration = epoch
         batch_sampler: Any = self.batch_sampler
         if hasattr(batch_sampler, "set_epoch"):
@@ -286,4 +298,5 @@ def skip_first_batches(dataloader: DataLoaderShard, num_batches: int = 0) -> Dat
         raise ValueError(f"num_batches must be >= 0, got {num_batches}.")
     skipping = copy.copy(dataloader)
     skipping.skip_batches = num_batches
+    dataloader.resume_position = 0  # the copy takes over a position restored by load_state
     return skipping

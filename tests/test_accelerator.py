@@ -460,3 +460,40 @@ def test_free_memory_drops_references_and_resets_step() -> None:
     assert accelerator.free_memory(model, optimizer) == [None, None]
     assert accelerator.step == 0
     assert accelerator._models == [] and accelerator._optimizers == []
+
+
+def test_resume_mid_epoch_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    run = resumable_run(tmp_path / "straight")
+    for _ in range(2):
+        train_epoch(*run[:4], run[4])
+    expected = {k: v.clone() for k, v in run[0].unwrap_model(run[1]).state_dict().items()}
+
+    accelerator, model, optimizer, data, scheduler = resumable_run(tmp_path / "stopped")
+    train_epoch(accelerator, model, optimizer, data, scheduler)
+    for index, (x, y) in enumerate(data):  # epoch 1, stopped after its second batch
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if index == 1:
+            accelerator.save_state()
+            break
+    accelerator, model, optimizer, data, scheduler = resumable_run(tmp_path / "stopped")
+    accelerator.load_state()
+    assert (data.iteration, data.resume_position, accelerator.step) == (1, 2, 2)
+    train_epoch(accelerator, model, optimizer, data, scheduler)  # the rest of epoch 1
+    for key, value in accelerator.unwrap_model(model).state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
+    assert data.position == 0 and data.iteration == 2
+
+
+def test_set_epoch_elsewhere_or_skip_first_batches_take_the_restored_position() -> None:
+    accelerator = Accelerator(cpu=True)
+    data = accelerator.prepare(loader(n=20))
+    data.iteration, data.resume_position = 1, 3
+    skipping = skip_first_batches(data, 3)
+    assert data.resume_position == 0 and len(list(skipping)) == 2
+    data.resume_position = 3
+    data.set_epoch(4)
+    assert data.resume_position == 0 and len(list(data)) == 5
