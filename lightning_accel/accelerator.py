@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch.nn import Module
@@ -58,6 +59,20 @@ def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> Non
     if value is not None and not isinstance(value, expected):
         names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
         raise TypeError(f"`{name}` must be a {names} (or None), got {type(value).__name__}: {value!r}.")
+
+
+def _check_arguments(**values: Any) -> None:
+    expected = {
+        "dataloader_config": DataLoaderConfiguration,
+        "project_config": ProjectConfiguration,
+        "gradient_accumulation_plugin": GradientAccumulationPlugin,
+        "deepspeed_plugin": DeepSpeedPlugin,
+        "fsdp_plugin": FullyShardedDataParallelPlugin,
+        "dynamo_plugin": TorchDynamoPlugin,
+        "megatron_lm_plugin": MegatronLMPlugin,
+    }
+    for name, value in values.items():
+        _check_type(name, value, expected[name])
 
 
 class Accelerator(ProcessControl, TrackingMixin):
@@ -115,13 +130,15 @@ class Accelerator(ProcessControl, TrackingMixin):
         megatron_lm_plugin: MegatronLMPlugin | None = None,
         dynamo_backend: DynamoBackend | str | None = None,
     ) -> None:
-        _check_type("dataloader_config", dataloader_config, DataLoaderConfiguration)
-        _check_type("project_config", project_config, ProjectConfiguration)
-        _check_type("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
-        _check_type("deepspeed_plugin", deepspeed_plugin, DeepSpeedPlugin)
-        _check_type("fsdp_plugin", fsdp_plugin, FullyShardedDataParallelPlugin)
-        _check_type("dynamo_plugin", dynamo_plugin, TorchDynamoPlugin)
-        _check_type("megatron_lm_plugin", megatron_lm_plugin, MegatronLMPlugin)
+        _check_arguments(
+            dataloader_config=dataloader_config,
+            project_config=project_config,
+            gradient_accumulation_plugin=gradient_accumulation_plugin,
+            deepspeed_plugin=deepspeed_plugin,
+            fsdp_plugin=fsdp_plugin,
+            dynamo_plugin=dynamo_plugin,
+            megatron_lm_plugin=megatron_lm_plugin,
+        )
         if dynamo_backend is not None:
             if dynamo_plugin is not None:
                 raise ValueError("Pass dynamo_backend or dynamo_plugin, not both: set TorchDynamoPlugin(backend=...).")
@@ -131,51 +148,35 @@ class Accelerator(ProcessControl, TrackingMixin):
                 "Pass gradient_accumulation_steps or gradient_accumulation_plugin, not both: set"
                 " GradientAccumulationPlugin(num_steps=...) instead."
             )
+        # Everything that can be checked without processes is checked before the strategy starts them.
+        handlers = _fabric.split_handlers(kwargs_handlers)
+        self.autocast_handler: AutocastKwargs | None = handlers.get("autocast_kwargs")  # type: ignore[assignment]
+        self.rng_types = check_rng_types(["generator"] if rng_types is None else rng_types)
+        self.log_with = resolve_trackers(log_with)
+        self.device_placement = device_placement
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        self.project_configuration = project_config or ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.set_directories(project_dir)
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         settings = accelerator_kwargs(
             {
                 "mixed_precision": mixed_precision,
                 "cpu": cpu or None,
-                "gradient_accumulation_steps": gradient_accumulation_steps
-                if gradient_accumulation_steps != 1
-                else None,
+                "gradient_accumulation_steps": None
+                if gradient_accumulation_steps == 1
+                else gradient_accumulation_steps,
                 "fsdp_plugin": fsdp_plugin,
                 "deepspeed_plugin": deepspeed_plugin,
                 "dynamo_plugin": dynamo_plugin,
                 "megatron_lm_plugin": megatron_lm_plugin,
             }
         )
-        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
-            num_steps=settings.get("gradient_accumulation_steps", 1)
+        self.gradient_state = GradientState(
+            gradient_accumulation_plugin
+            or GradientAccumulationPlugin(num_steps=settings.get("gradient_accumulation_steps", 1))
         )
-        handlers = _fabric.split_handlers(kwargs_handlers)
-        self.autocast_handler: AutocastKwargs | None = handlers.get("autocast_kwargs")  # type: ignore[assignment]
-        launch = _fabric.detect_launch()
-        device = _fabric.device_type(bool(settings["cpu"]))
-        plugin_names = ("fsdp_plugin", "deepspeed_plugin", "megatron_lm_plugin", "dynamo_plugin")
-        plugins = {name: settings.get(name) for name in plugin_names}
-        dtype = _fabric.distributed_type(launch, device, plugins)
-        self.fabric = _fabric.build_fabric(
-            dtype, device, launch, mixed_precision=settings["mixed_precision"], handlers=handlers, plugins=plugins
-        )
-        self.state = AcceleratorState()
-        self.state._configure(
-            dtype,
-            self.fabric.device,
-            num_processes=self.fabric.world_size,
-            process_index=self.fabric.global_rank,
-            local_index=self.fabric.local_rank,
-            debug=bool(settings_from_env().get("debug", False)),
-        )
-        self.state.mixed_precision = str(settings["mixed_precision"])
-        self.gradient_state = GradientState(plugin)
-        self.device_placement = device_placement
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
-        self.project_configuration = project_config or ProjectConfiguration()
-        if project_dir is not None:
-            self.project_configuration.set_directories(project_dir)
-        self.rng_types = check_rng_types(["generator"] if rng_types is None else rng_types)
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.log_with = resolve_trackers(log_with)
+        self.fabric = self._launch(settings, handlers)
         self.trackers: list[GeneralTracker] = []
         self.step = 0
         self._models: list[_FabricModule] = []
@@ -186,6 +187,29 @@ class Accelerator(ProcessControl, TrackingMixin):
         # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+
+    def _launch(self, settings: dict[str, Any], handlers: dict[str, KwargsHandler]) -> Fabric:
+        """Pick the distributed type, build and launch the Fabric, and record the processes in the shared state."""
+        launch = _fabric.detect_launch()
+        device = _fabric.device_type(bool(settings["cpu"]))
+        plugin_names = ("fsdp_plugin", "deepspeed_plugin", "megatron_lm_plugin", "dynamo_plugin")
+        plugins = {name: settings.get(name) for name in plugin_names}
+        dtype = _fabric.distributed_type(launch, device, plugins)
+        mixed_precision = str(settings["mixed_precision"])
+        fabric = _fabric.build_fabric(
+            dtype, device, launch, mixed_precision=mixed_precision, handlers=handlers, plugins=plugins
+        )
+        self.state = AcceleratorState()
+        self.state._configure(
+            dtype,
+            fabric.device,
+            num_processes=fabric.world_size,
+            process_index=fabric.global_rank,
+            local_index=fabric.local_rank,
+            debug=bool(settings_from_env().get("debug", False)),
+        )
+        self.state.mixed_precision = mixed_precision
+        return fabric
 
     # ---- configuration ------------------------------------------------------------------------------------------
 
