@@ -497,3 +497,16 @@ def test_set_epoch_elsewhere_or_skip_first_batches_take_the_restored_position() 
     data.resume_position = 3
     data.set_epoch(4)
     assert data.resume_position == 0 and len(list(data)) == 5
+
+
+def test_autocast_handlers_disable_autocast() -> None:
+    from lightning_accel.utils import AutocastKwargs
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    a = torch.randn(2, 2)
+    with accelerator.autocast(autocast_handler=AutocastKwargs(enabled=False)):
+        assert (a @ a).dtype == torch.float32
+    reset_state()
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", kwargs_handlers=[AutocastKwargs(enabled=False)])
+    with accelerator.autocast():
+        assert (a @ a).dtype == torch.float32
