@@ -53,3 +53,29 @@ def test_bf16_autocast_on_gpu() -> None:
     model = fabric.setup_module(nn.Linear(16, 16))
     with fabric.autocast():
         assert model(torch.randn(4, 16, device=fabric.device)).dtype == torch.bfloat16
+
+
+def test_fp8_with_torchao_converts_linears_and_trains() -> None:
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    import lightning as L
+    from torch import nn
+    from torchao.float8.float8_linear import Float8Linear
+
+    from lightning_accel.precision import FP8Precision
+
+    fabric = L.Fabric(accelerator="cuda", devices=1, strategy="acc_no", plugins=[FP8Precision()])
+    net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64))
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    # Accelerate's default filter keeps the first and last Linear in high precision.
+    assert [isinstance(m, Float8Linear) for m in net if isinstance(m, nn.Linear)] == [False, True, False]
+    x = torch.randn(32, 64, device=fabric.device)
+    losses = []
+    for _ in range(20):
+        loss = model(x).float().pow(2).mean()
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
