@@ -320,10 +320,6 @@ CONTRADICTIONS = {
     ),
     "unknown count": ("distributed_type: FSDP\n", "num_processes is -1"),
     "NO with processes": ("distributed_type: 'NO'\nnum_processes: 2\n", "distributed_type NO runs one process"),
-    "dynamo with deepspeed": (
-        "distributed_type: DEEPSPEED\nnum_processes: 2\nuse_cpu: true\ndynamo_config:\n  dynamo_backend: INDUCTOR\n",
-        "acc_deepspeed does not apply it yet",
-    ),
 }
 
 

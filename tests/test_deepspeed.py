@@ -265,6 +265,13 @@ def test_zero_stage_matches_lightning_ddp(results: dict[str, list[dict[str, Any]
     assert_same_run(ours, results["ddp"])
 
 
+def test_compiled_model_under_deepspeed_matches_lightning_ddp(results: dict[str, list[dict[str, Any]]]) -> None:
+    # TorchDynamoPlugin(backend="aot_eager") compiles the LightningModule's network before DeepSpeed wraps it.
+    assert [r["compiled"] for r in results["stage2_compiled"]] == [True, True]
+    assert not results["stage2"][0]["compiled"]
+    assert_same_run(results["stage2_compiled"], results["ddp"])
+
+
 def test_stage3_with_cpu_offload_matches_lightning_ddp(results: dict[str, list[dict[str, Any]]]) -> None:
     ours = results["stage3_offload"]
     assert [r["zero_stage"] for r in ours] == [3, 3]

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_accel.config import DeepSpeedPlugin
+from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.deepspeed_core import (
     DeepSpeedFamily,
@@ -80,6 +80,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         deepspeed_plugin: The DeepSpeed settings; ``None`` means ``DeepSpeedPlugin()`` (ZeRO stage 2).
         plugin_fields: Fields for the plugin built when ``deepspeed_plugin`` is ``None`` (used by the
             ``acc_deepspeed_stage_*`` names).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before DeepSpeed wraps it.
         strategy_name: The name shown in messages (set by the registry).
         accelerator: Passed to Lightning.
         parallel_devices: Passed to Lightning.
@@ -108,6 +109,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         deepspeed_plugin: DeepSpeedPlugin | None = None,
         *,
         plugin_fields: Mapping[str, Any] | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         strategy_name: str = "acc_deepspeed",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -120,7 +122,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         exclude_frozen_parameters: bool = False,
         logging_level: int = logging.WARN,
     ) -> None:
-        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields)
+        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
         super().__init__(
             accelerator=accelerator,
             config=self._family.config,
@@ -304,6 +306,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         deepspeed_plugin: DeepSpeedPlugin | None = None,
         *,
         plugin_fields: Mapping[str, Any] | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         strategy_name: str = "acc_deepspeed",
         accelerator: FabricAccelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -316,7 +319,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         exclude_frozen_parameters: bool = False,
         logging_level: int = logging.WARN,
     ) -> None:
-        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields)
+        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
         super().__init__(
             accelerator=accelerator,
             config=self._family.config,

@@ -29,7 +29,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_accel.config import DeepSpeedPlugin
+from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
+from lightning_accel.utils.compile import apply_dynamo
 from lightning_accel.utils.constants import WEIGHTS_NAME
 
 INSTALL_HINT = "pip install 'lightning-accel[deepspeed]'"
@@ -321,6 +322,7 @@ class DeepSpeedFamily:
         plugin: The DeepSpeed settings; ``None`` means ``DeepSpeedPlugin()`` (ZeRO stage 2).
         plugin_fields: Fields for the plugin built when ``plugin`` is ``None`` (the ``acc_deepspeed_stage_*`` names
             use this).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before DeepSpeed wraps it.
 
     Raises:
         TypeError: If ``plugin`` is not a ``DeepSpeedPlugin``.
@@ -330,7 +332,11 @@ class DeepSpeedFamily:
     """
 
     def __init__(
-        self, strategy_name: str, plugin: DeepSpeedPlugin | None, plugin_fields: Mapping[str, Any] | None = None
+        self,
+        strategy_name: str,
+        plugin: DeepSpeedPlugin | None,
+        plugin_fields: Mapping[str, Any] | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
     ) -> None:
         import_deepspeed(strategy_name)
         if plugin is not None and not isinstance(plugin, DeepSpeedPlugin):
@@ -341,6 +347,7 @@ class DeepSpeedFamily:
                 " `deepspeed_plugin`. Use strategy 'acc_deepspeed' with your DeepSpeedPlugin instead."
             )
         self.strategy_name = strategy_name
+        self.dynamo_plugin = dynamo_plugin
         self.plugin = plugin if plugin is not None else DeepSpeedPlugin(**dict(plugin_fields or {}))
         self.config: dict[str, Any] = copy.deepcopy(self.plugin.deepspeed_config)
 
@@ -451,6 +458,7 @@ class DeepSpeedFamily:
         import deepspeed
 
         self.set_moe_leaf_modules(model)
+        apply_dynamo(model, self.dynamo_plugin)
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             args=argparse.Namespace(device_rank=local_rank),
             config=dict(config),

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_accel  # noqa: F401  (registers the acc_* names)
-from lightning_accel.config import DeepSpeedPlugin
+from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
 from lightning_accel.strategies.deepspeed import AcceleratedDeepSpeedStrategy, FabricAcceleratedDeepSpeedStrategy
 
 EPOCHS = 2
@@ -96,6 +96,7 @@ class Record(L.Callback):
             local_numel=sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),
             full_numel=sum(getattr(p, "ds_numel", p.numel()) for p in params),
             built_partitioned=getattr(pl_module, "built_partitioned", None),
+            compiled=any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules()),
         )
         if hasattr(engine, "zero_optimization_stage"):
             optimizer = trainer.optimizers[0]
@@ -202,8 +203,8 @@ DECLARED = {
 }
 
 
-def plugin(stage: int, **fields: Any) -> AcceleratedDeepSpeedStrategy:
-    return AcceleratedDeepSpeedStrategy(DeepSpeedPlugin(zero_stage=stage, **fields))
+def plugin(stage: int, dynamo_plugin: TorchDynamoPlugin | None = None, **fields: Any) -> AcceleratedDeepSpeedStrategy:
+    return AcceleratedDeepSpeedStrategy(DeepSpeedPlugin(zero_stage=stage, **fields), dynamo_plugin=dynamo_plugin)
 
 
 def main() -> None:
@@ -222,6 +223,7 @@ def main() -> None:
         "stage3": lambda: run_trainer(plugin(3, zero3_save_16bit_model=True), checkpoint=ckpt[3], configure_model=True),
         "stage3_offload": lambda: run_trainer("acc_deepspeed_stage_3_offload"),
         "stage2_bf16": lambda: run_trainer(plugin(2), precision="bf16-mixed", max_epochs=1),
+        "stage2_compiled": lambda: run_trainer(plugin(2, dynamo_plugin=TorchDynamoPlugin(backend="aot_eager"))),
         "stage1_resume": lambda: run_trainer("acc_deepspeed_stage_1", resume=ckpt[1]),
         "stage2_resume": lambda: run_trainer(plugin(2), resume=ckpt[2]),
         "stage3_resume": lambda: run_trainer(
