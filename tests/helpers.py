@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
@@ -71,3 +72,14 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300) -> s
         ],
         timeout=timeout,
     )
+
+
+def load_rank_results(out: Path) -> dict[str, list[dict[str, Any]]]:
+    """Read the ``{variant}_rank{r}.pt`` files a multi-process test script saved: variant -> one result per rank."""
+    import torch
+
+    found: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(out.glob("*_rank*.pt")):
+        name, rank = path.stem.rsplit("_rank", 1)
+        found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
+    return found

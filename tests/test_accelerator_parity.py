@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import SCRIPTS, run_python, torchrun
+from tests.helpers import SCRIPTS, load_rank_results, run_python, torchrun
 
 Results = dict[str, list[dict[str, Any]]]
 
@@ -24,10 +24,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         run_python([str(SCRIPTS / "accelerator_parity.py"), "--out", str(out)], timeout=240)
     else:
         torchrun("accelerator_parity.py", "--out", str(out), timeout=300)
-    found: Results = {}
-    for path in sorted(out.glob("*_rank*.pt")):
-        name, rank = path.stem.rsplit("_rank", 1)
-        found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
+    found = load_rank_results(out)
     assert {len(ranks) for ranks in found.values()} == {request.param}
     return found
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning_utilities.core.imports import module_available
 
-from tests.helpers import torchrun
+from tests.helpers import load_rank_results, torchrun
 from tests.scripts.callbacks_resume import BATCH_SIZE, DATA_SEED, MAX_EPOCHS, NUM_SAMPLES, TOTAL_LIMIT
 
 # Every strategy listed here gets the full set of checks below (one 2-process launch each, ~25-35 s on 2 cores).
@@ -29,10 +29,7 @@ Runs = dict[str, list[dict[str, Any]]]
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     out: Path = tmp_path_factory.mktemp(f"callbacks_{request.param}")
     torchrun("callbacks_resume.py", "--strategy", request.param, "--out", str(out), timeout=400)
-    found: Runs = {}
-    for path in sorted(out.glob("*_rank*.pt")):
-        name, rank = path.stem.rsplit("_rank", 1)
-        found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
+    found = load_rank_results(out)
     return found
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import torchrun
+from tests.helpers import load_rank_results, torchrun
 
 SAME_AS_DDP = ["acc_multi_cpu", "acc_ddp", "acc_kwargs"]
 
@@ -17,10 +17,7 @@ SAME_AS_DDP = ["acc_multi_cpu", "acc_ddp", "acc_kwargs"]
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out: Path = tmp_path_factory.mktemp("ddp_parity")
     torchrun("ddp_parity.py", "--out", str(out), timeout=400)
-    found: dict[str, list[dict[str, Any]]] = {}
-    for path in sorted(out.glob("*_rank*.pt")):
-        name, rank = path.stem.rsplit("_rank", 1)
-        found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
+    found = load_rank_results(out)
     return found
 
 

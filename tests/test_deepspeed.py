@@ -28,7 +28,7 @@ from lightning_accel.strategies.deepspeed_core import (
     resolve_config,
 )
 from lightning_accel.utils import load_full_state_dict
-from tests.helpers import SCRIPTS, run_python, torchrun
+from tests.helpers import SCRIPTS, load_rank_results, run_python, torchrun
 
 NAMES = ["acc_deepspeed", "acc_deepspeed_stage_1", "acc_deepspeed_stage_2", "acc_deepspeed_stage_3"]
 TRAINER_FLAGS = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
@@ -234,10 +234,7 @@ def test_missing_deepspeed_names_the_install_command() -> None:
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[str, Any]]], Path]:
     out: Path = tmp_path_factory.mktemp("deepspeed_parity")
     torchrun("deepspeed_parity.py", "--out", str(out), timeout=600)
-    found: dict[str, list[dict[str, Any]]] = {}
-    for path in sorted(out.glob("*_rank*.pt")):
-        name, rank = path.stem.rsplit("_rank", 1)
-        found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
+    found = load_rank_results(out)
     return found, out
 
 

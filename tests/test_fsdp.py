@@ -13,7 +13,7 @@ from torch import nn
 import lightning_accel
 from lightning_accel.strategies import AcceleratedFSDPStrategy, FabricAcceleratedFSDPStrategy
 from lightning_accel.utils import DistributedType, FullyShardedDataParallelPlugin, load_full_state_dict
-from tests.helpers import torchrun
+from tests.helpers import load_rank_results, torchrun
 
 TRAINER_VARIANTS = ["fsdp2", "fsdp2_units", "fsdp1"]
 # FSDP units (the root included) and activation-checkpointed blocks each configuration must produce.
@@ -31,10 +31,7 @@ Results = dict[str, list[dict[str, Any]]]
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Results, Path]:
     out = tmp_path_factory.mktemp("fsdp_parity")
     torchrun("fsdp_parity.py", "--out", str(out), timeout=400)
-    found: Results = {}
-    for path in sorted(out.glob("*_rank*.pt")):
-        name, rank = path.stem.rsplit("_rank", 1)
-        found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
+    found = load_rank_results(out)
     return found, out
 
 

@@ -20,7 +20,7 @@ from lightning_accel.precision import (
     precision_plugin,
 )
 from lightning_accel.utils import AutocastKwargs, PrecisionType
-from tests.helpers import torchrun
+from tests.helpers import load_rank_results, torchrun
 
 FLAGS = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
@@ -140,10 +140,7 @@ def test_bad_plugin_arguments_are_refused() -> None:
 def distributed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out: Path = tmp_path_factory.mktemp("precision")
     torchrun("precision_check.py", "--out", str(out), timeout=300)
-    found: dict[str, list[dict[str, Any]]] = {}
-    for path in sorted(out.glob("*_rank*.pt")):
-        name, rank = path.stem.rsplit("_rank", 1)
-        found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
+    found = load_rank_results(out)
     return found
 
 
