@@ -29,6 +29,7 @@ from lightning_accel.enums import (
     RNGType,
     SageMakerDistributedType,
 )
+from lightning_accel.utils.amp import get_grad_scaler, get_mixed_precision_context_manager
 from lightning_accel.utils.checkpoint import load_full_state_dict
 from lightning_accel.utils.constants import (
     FSDP2_STATE_DICT_TYPE,
@@ -51,6 +52,11 @@ from lightning_accel.utils.constants import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     WEIGHTS_PATTERN_NAME,
+)
+from lightning_accel.utils.environment_patching import (
+    clear_environment,
+    patch_environment,
+    purge_accelerate_environment,
 )
 from lightning_accel.utils.imports import (
     is_bf16_available,
@@ -138,6 +144,7 @@ __all__ = [
     "TorchDynamoPlugin",
     "broadcast",
     "broadcast_object_list",
+    "clear_environment",
     "concatenate",
     "convert_outputs_to_fp32",
     "convert_to_fp32",
@@ -146,6 +153,8 @@ __all__ = [
     "find_executable_batch_size",
     "gather",
     "gather_object",
+    "get_grad_scaler",
+    "get_mixed_precision_context_manager",
     "is_bf16_available",
     "is_compiled_module",
     "is_mps_available",
@@ -159,6 +168,8 @@ __all__ = [
     "load",
     "load_full_state_dict",
     "pad_across_processes",
+    "patch_environment",
+    "purge_accelerate_environment",
     "recursively_apply",
     "reduce",
     "release_memory",
