@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.helpers import torchrun
+from tests.helpers import SCRIPTS, run_python, torchrun
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,3 +81,19 @@ def test_fp8_with_torchao_converts_linears_and_trains() -> None:
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_fp8_under_deepspeed_trains_with_float8_linears(tmp_path: Path) -> None:
+    # Trainer and Fabric with acc_deepspeed + FP8Precision(): torchao's Float8Linear inside a bf16 DeepSpeed engine.
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    run_python([str(SCRIPTS / "deepspeed_fp8.py"), "--out", str(tmp_path), "--accelerator", "cuda"], timeout=600)
+    for name, linear in (("trainer", "net.2"), ("fabric", "2")):
+        result = torch.load(tmp_path / f"{name}_rank0.pt", weights_only=False)
+        assert result["precision_class"].endswith("FP8DeepSpeedPrecision")
+        assert result["float8_linears"] == [linear]
+        assert result["param_dtypes"] == ["torch.bfloat16"]
+        assert (result["bf16"], result["fp16"]) == (True, False)
+        assert result["losses"][-1] < result["losses"][0]

@@ -117,7 +117,7 @@ def test_fp16_on_cpu_is_refused_with_bf16_suggestion(make: type) -> None:
 
 
 def test_fp8_needs_its_backend_and_a_recent_gpu() -> None:
-    # torchao is an optional extra that CI does not install: then construction names it; else the CPU is refused.
+    # Without torchao (an optional extra) construction names it; with it (the test extra installs it) CPU is refused.
     try:
         plugin = FP8Precision()
     except ModuleNotFoundError as err:
@@ -164,14 +164,3 @@ def test_deepspeed_takes_the_plugins_as_its_own_precision(plugin: Any, expected:
     assert trainer.strategy.precision_plugin.precision == expected
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy="acc_deepspeed", plugins=[plugin])
     assert fabric.strategy.precision.precision == expected
-
-
-def test_fp8_under_deepspeed_is_refused() -> None:
-    pytest.importorskip("deepspeed")
-    from lightning.pytorch.plugins import DeepSpeedPrecision
-
-    from lightning_accel.strategies.precision_bridge import _as_deepspeed
-
-    fp8 = FP8Precision.__new__(FP8Precision)  # no torchao here: only the type matters for the refusal
-    with pytest.raises(ValueError, match=r"FP8Precision cannot run under acc_deepspeed.*BF16Precision"):
-        _as_deepspeed(fp8, DeepSpeedPrecision)

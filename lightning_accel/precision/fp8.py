@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -89,14 +89,19 @@ class FP8Precision(AcceleratePrecision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        with self.autocast_context_manager():
-            if self.backend != "te":
-                yield
-                return
-            import transformer_engine.pytorch as te
+        with self.autocast_context_manager(), self.fp8_context():
+            yield
 
-            with te.fp8_autocast(enabled=True, fp8_recipe=self._te_recipe()):
-                yield
+    def fp8_context(self) -> AbstractContextManager:
+        """The backend's own fp8 context: Transformer Engine's ``fp8_autocast``; torchao needs none (a no-op).
+
+        Strategies whose engine owns the bf16 casting (DeepSpeed) enter only this one around the forward.
+        """
+        if self.backend != "te":
+            return nullcontext()
+        import transformer_engine.pytorch as te
+
+        return te.fp8_autocast(enabled=True, fp8_recipe=self._te_recipe())
 
     def _convert_ao(self, module: Module) -> Module:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -48,7 +48,8 @@ from lightning_accel.strategies.deepspeed_core import (
     consolidate_deepspeed_checkpoint,
     estimated_total_steps,
 )
-from lightning_accel.strategies.precision_bridge import deepspeed_translating
+from lightning_accel.strategies.deepspeed_fp8 import facts_precision
+from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
 
 if TYPE_CHECKING:
@@ -150,6 +151,11 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         return DistributedType.DEEPSPEED
 
     @override
+    def _configure_launcher(self) -> None:
+        bind_precision(self.precision_plugin, self.parallel_devices)  # refuses fp8 where it cannot run
+        super()._configure_launcher()
+
+    @override
     def setup_environment(self) -> None:
         self._family.prepare_devices(self.parallel_devices, self.root_device)
         # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
@@ -174,7 +180,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
 
     def _training_facts(self, trainer: pl.Trainer | None) -> TrainingFacts:
         device = self.root_device.type
-        precision = str(self.precision_plugin.precision)
+        precision = facts_precision(self.precision_plugin)
         if trainer is None:
             return TrainingFacts(world_size=self.world_size, device_type=device, precision=precision)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -347,6 +353,11 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         return DistributedType.DEEPSPEED
 
     @override
+    def _configure_launcher(self) -> None:
+        bind_precision(self.precision, self.parallel_devices)  # refuses fp8 where it cannot run
+        super()._configure_launcher()
+
+    @override
     def setup_environment(self) -> None:
         self._family.prepare_devices(self.parallel_devices, self.root_device)
         # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
@@ -365,7 +376,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     @override
     def _format_config(self) -> None:
         facts = TrainingFacts(
-            world_size=self.world_size, device_type=self.root_device.type, precision=str(self.precision.precision)
+            world_size=self.world_size, device_type=self.root_device.type, precision=facts_precision(self.precision)
         )
         self.config = self._family.resolve(facts)
 

@@ -78,7 +78,8 @@ class TrainingFacts:
     Attributes:
         world_size: Number of data-parallel processes.
         device_type: ``"cpu"`` or ``"cuda"``.
-        precision: Lightning's precision string, such as ``"32-true"`` or ``"bf16-mixed"``.
+        precision: Lightning's precision string, such as ``"32-true"`` or ``"bf16-mixed"``, or ``"fp8"`` (float8
+            Linears inside an engine that trains in bf16, as Accelerate runs fp8 with DeepSpeed).
         micro_batch_size: Per-process batch size of the training data, or ``None`` when unknown.
         micro_batch_size_required: Whether an unknown batch size is an error (fitting with the Trainer); otherwise
             ``1`` is used, as DeepSpeed only reads it for its throughput report.
@@ -193,7 +194,7 @@ def _reconcile_clipping(configured: Any, facts: TrainingFacts) -> float:
 
 
 def _resolve_precision(config: dict[str, Any], precision: str) -> None:
-    wanted = {"fp16": precision in ("16-mixed", "16-true"), "bf16": precision in ("bf16-mixed", "bf16-true")}
+    wanted = {"fp16": precision in ("16-mixed", "16-true"), "bf16": precision in ("bf16-mixed", "bf16-true", "fp8")}
     for section, enabled in wanted.items():
         key = "bfloat16" if section == "bf16" and "bfloat16" in config else section
         node = config.get(key)
@@ -208,8 +209,9 @@ def _resolve_precision(config: dict[str, Any], precision: str) -> None:
             node["enabled"] = enabled
         elif bool(configured) != enabled:
             hint = "bf16-mixed" if section == "bf16" else "16-mixed"
+            fp8_note = " (fp8 runs DeepSpeed in bf16)" if precision == "fp8" else ""
             raise ValueError(
-                f"DeepSpeed config has {key}.enabled={configured!r}, but the precision is {precision!r}. Set"
+                f"DeepSpeed config has {key}.enabled={configured!r}, but the precision is {precision!r}{fp8_note}. Set"
                 f" {key}.enabled to 'auto' to follow the precision, or pass precision={hint!r}"
                 f" {'to enable' if configured else 'and remove'} it."
             )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_accel.precision import bind_device, from_lightning
+from lightning_accel.precision import AcceleratePrecision, FP8Precision, bind_device, from_lightning
+from lightning_accel.strategies.deepspeed_fp8 import fp8_deepspeed_precision, unwrap_fp8
 
 
 def translating(base: Any) -> Any:
@@ -23,20 +24,22 @@ def translating(base: Any) -> Any:
 
 
 def bind_precision(plugin: Any, devices: Any) -> None:
-    """Tell the strategy's plugin which device type it runs on, once Lightning chose the devices."""
+    """Tell the strategy's plugin which device type it runs on, once Lightning chose the devices.
+
+    Under DeepSpeed the plugin is the fp8 precision's DeepSpeed form; the ``FP8Precision`` inside it is bound (so fp8
+    on a CPU or an older GPU is refused there too).
+    """
     if devices:
-        bind_device(plugin, devices[0].type)
+        bind_device(unwrap_fp8(plugin), devices[0].type)
 
 
 def deepspeed_translating(base: Any, deepspeed_precision: type) -> Any:
     """A precision property for DeepSpeed strategies: this package's plugins become DeepSpeed's own precision.
 
     Under DeepSpeed the engine owns precision (its ``fp16``/``bf16`` config sections, its loss scaler and its
-    backward), so a ``BF16Precision`` given as ``plugins=[...]`` means DeepSpeed's ``"bf16-mixed"``, and so on.
-
-    Raises:
-        ValueError: For ``FP8Precision``, which DeepSpeed's engine does not run.
-
+    backward), so a ``BF16Precision`` given as ``plugins=[...]`` means DeepSpeed's ``"bf16-mixed"``, and so on. An
+    ``FP8Precision`` becomes DeepSpeed's ``"bf16-mixed"`` plus its float8 Linear conversion, as in Accelerate (see
+    :mod:`lightning_accel.strategies.deepspeed_fp8`).
     """
     assert isinstance(base, property) and base.fget is not None and base.fset is not None
     getter, setter = base.fget, base.fset
@@ -48,13 +51,8 @@ def deepspeed_translating(base: Any, deepspeed_precision: type) -> Any:
 
 
 def _as_deepspeed(plugin: Any, deepspeed_precision: type) -> Any:
-    from lightning_accel.precision import AcceleratePrecision, FP8Precision
-
     if not isinstance(plugin, AcceleratePrecision):
         return plugin
     if isinstance(plugin, FP8Precision):
-        raise ValueError(
-            "FP8Precision cannot run under acc_deepspeed: DeepSpeed's engine has no float8 path here."
-            " Use BF16Precision (precision='bf16-mixed') with DeepSpeed, or fp8 with acc_fsdp / acc_ddp."
-        )
+        return fp8_deepspeed_precision(plugin, deepspeed_precision)
     return deepspeed_precision(plugin.precision)
