@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_accel import _fabric, checkpointing
+from lightning_accel._module import AcceleratedModule
 from lightning_accel._process import ProcessControl
 from lightning_accel.config import (
     AutocastKwargs,
@@ -276,8 +277,9 @@ class Accelerator(ProcessControl, TrackingMixin):
             objects[i] = self._register_optimizer(cast(Optimizer, self.fabric.setup_optimizers(objects[i])))
 
     def _register_model(self, objects: list[Any], index: int, model: _FabricModule) -> None:
-        self._models.append(model)
-        objects[index] = model
+        adopted = AcceleratedModule.adopt(model)
+        self._models.append(adopted)
+        objects[index] = adopted
 
     def _register_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, precision=self.fabric.strategy.precision)
@@ -292,8 +294,21 @@ class Accelerator(ProcessControl, TrackingMixin):
         """Set up one optimizer (after its model)."""
         return self.prepare(optimizer)
 
-    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoaderShard:
-        """Shard ``data_loader`` for this process (see :func:`lightning_accel.data_loader.prepare_data_loader`)."""
+    def prepare_data_loader(
+        self,
+        data_loader: DataLoader,
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Callable[..., Any] | None = None,
+    ) -> DataLoaderShard:
+        """Shard ``data_loader`` for this process as :attr:`dataloader_config` says.
+
+        See :func:`lightning_accel.data_loader.prepare_data_loader`; ``slice_fn_for_dispatch`` slices dispatched
+        batches (``dispatch_batches``). A loader prepared already is returned as it is.
+        """
+        if isinstance(data_loader, DataLoaderShard):
+            if data_loader not in self._dataloaders:
+                self._dataloaders.append(data_loader)
+            return data_loader
         config = self.dataloader_config
         _check_loader_config(config, self.num_processes)
         place = self.device_placement if device_placement is None else device_placement
@@ -302,10 +317,15 @@ class Accelerator(ProcessControl, TrackingMixin):
             self.device if place else None,
             num_processes=self.num_processes,
             process_index=self.process_index,
+            split_batches=config.split_batches,
+            dispatch_batches=config.dispatch_batches,
+            even_batches=config.even_batches,
             rng_types=list(self.rng_types),
             use_seedable_sampler=config.use_seedable_sampler,
             data_seed=config.data_seed,
             non_blocking=config.non_blocking,
+            use_stateful_dataloader=config.use_stateful_dataloader,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
         )
         self._dataloaders.append(prepared)
         return prepared
@@ -344,8 +364,9 @@ class Accelerator(ProcessControl, TrackingMixin):
 
         Engines that accumulate themselves (DeepSpeed) get the loss undivided, as in Accelerate.
         """
-        if not isinstance(self.fabric.strategy, DeepSpeedStrategy):
-            loss = loss / self.gradient_accumulation_steps
+        steps = self.gradient_state.num_steps
+        if steps != 1 and not isinstance(self.fabric.strategy, DeepSpeedStrategy):
+            loss = loss / steps
         model = self._models[0] if len(self._models) == 1 else None
         self.fabric.backward(loss, model=model, **kwargs)
 
@@ -361,11 +382,12 @@ class Accelerator(ProcessControl, TrackingMixin):
     def accumulate(self, *models: Module) -> Generator[None, None, None]:
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
         self._do_sync()
-        skip_sync = not (self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch))
+        if self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch):
+            yield
+            return
         with ExitStack() as stack:
-            if skip_sync:
-                for model in models:
-                    stack.enter_context(self.no_sync(model))
+            for model in models:
+                stack.enter_context(self.no_sync(model))
             yield
 
     @contextmanager
@@ -513,13 +535,23 @@ class Accelerator(ProcessControl, TrackingMixin):
     def get_state_dict(self, model: Module, unwrap: bool = True) -> dict[str, Any]:
         """The model's full state dict (on every process, or on the main process only for sharded weights).
 
-        Sharded (DTensor) weights are gathered to the main process's CPU, as Accelerate does under FSDP2; the other
-        processes get ``{}``.
+        Sharded weights are gathered to the main process's CPU, as Accelerate does under FSDP and DeepSpeed ZeRO-3;
+        the other processes get ``{}`` (collective: every process calls it). ZeRO-3 needs
+        ``DeepSpeedPlugin(zero3_save_16bit_model=True)``, as in Accelerate.
 
         With ``unwrap=False`` it is the strategy-wrapped module's own state dict (DDP keys keep ``module.``).
+
+        Raises:
+            ValueError: Under ZeRO-3 without ``zero3_save_16bit_model``.
+
         """
         if not unwrap:
             return dict(self.fabric.strategy.get_module_state_dict(getattr(model, "_forward_module", model)))
+        from lightning_accel._sharded_checkpoint import engine_checkpoint
+
+        engine = engine_checkpoint(self.fabric.strategy)
+        if engine is not None:
+            return engine.full_state_dict(model, self._models)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from torch.distributed.tensor import DTensor
 
@@ -552,16 +584,28 @@ class Accelerator(ProcessControl, TrackingMixin):
         """Save ``obj`` once (per node with ``save_on_each_node``); see :func:`lightning_accel.utils.other.save`."""
         save(obj, f, self.project_configuration.save_on_each_node, safe_serialization=safe_serialization)
 
-    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
+    def save_state(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> str:
         """Save models, optimizers, schedulers, RNG states and registered objects with Accelerate's file names.
 
-        Returns the checkpoint directory. See :func:`lightning_accel.checkpointing.save_state`.
+        Under FSDP and DeepSpeed the engine writes the models and optimizers (sharded or gathered, by the plugin);
+        ``save_model_func_kwargs`` go to DeepSpeed's ``save_checkpoint``. Returns the checkpoint directory. See
+        :func:`lightning_accel.checkpointing.save_state`.
         """
-        return checkpointing.save_state(self, output_dir, safe_serialization=safe_serialization)
+        return checkpointing.save_state(
+            self, output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs
+        )
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> str:
-        """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory."""
-        return checkpointing.load_state(self, input_dir)
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, **load_model_func_kwargs: Any) -> str:
+        """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.
+
+        ``load_model_func_kwargs`` go to DeepSpeed's ``load_checkpoint``.
+        """
+        return checkpointing.load_state(self, input_dir, **load_model_func_kwargs)
 
 
 def _is_raw_optimizer(obj: Any) -> bool:
@@ -582,14 +626,14 @@ def _all_tensors(data: Any) -> bool:
 
 
 def _check_loader_config(config: DataLoaderConfiguration, num_processes: int) -> None:
-    unsupported = {
-        "split_batches=True": config.split_batches and num_processes > 1,
-        "dispatch_batches=True": bool(config.dispatch_batches),
-        "even_batches=False": not config.even_batches and num_processes > 1,
-        "use_stateful_dataloader=True": config.use_stateful_dataloader,
-    }
-    chosen = [name for name, on in unsupported.items() if on]
-    if chosen:
-        raise ValueError(
-            f"DataLoaderConfiguration({', '.join(chosen)}) is not supported by lightning_accel yet; leave the default."
-        )
+    """Check what a loader configuration needs installed (the loader-dependent checks come with the loader).
+
+    Raises:
+        ImportError: For ``use_stateful_dataloader=True`` without torchdata.
+
+    """
+    del num_processes  # every option works on any number of processes
+    if config.use_stateful_dataloader:
+        from lightning_accel._data_loaders import stateful_dataloader_class
+
+        stateful_dataloader_class()

@@ -121,7 +121,7 @@ def test_prepare_returns_objects_in_order_and_passes_others_through() -> None:
         "DataLoaderShard",
         "object",
         "AcceleratedOptimizer",
-        "_FabricModule",
+        "AcceleratedModule",
     ]
     assert out[2] is marker
     assert out[0].optimizers == [out[3]]
@@ -262,12 +262,6 @@ def test_custom_object_count_must_match(tmp_path: Path) -> None:
 def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         Accelerator(cpu=True, **kwargs)
-
-
-def test_unsupported_loader_configuration_is_refused() -> None:
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
-    with pytest.raises(ValueError, match="dispatch_batches=True"):
-        accelerator.prepare(loader())
 
 
 def test_detect_launch_reads_the_launchers_variables() -> None:

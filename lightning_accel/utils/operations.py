@@ -107,6 +107,8 @@ def send_to_device(
         skip_keys: Mapping keys whose values are left where they are.
 
     """
+    if isinstance(tensor, Tensor):
+        return tensor.to(device, non_blocking=non_blocking)
     skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
     if isinstance(tensor, (list, tuple)):
         return _rebuild(tensor, [send_to_device(t, device, non_blocking, skip_keys) for t in tensor])

@@ -1,0 +1,63 @@
+"""The module an ``Accelerator`` returns from ``prepare``: Fabric's wrapper, with ``loss.backward()`` allowed.
+
+Fabric puts a hook on every forward output that refuses ``loss.backward()`` whenever the strategy or the precision
+plugin overrides any backward method, which all of this package's plugins do. Accelerate scripts often call
+``loss.backward()`` directly, and it is correct wherever nothing has to happen around the backward pass. So the hook
+is kept only where something does: an engine that runs the backward itself (DeepSpeed) or fp16 loss scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins import Precision
+from lightning.fabric.strategies import Strategy
+from lightning.fabric.wrappers import _FabricModule
+from lightning_utilities.core.overrides import is_overridden
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_accel.precision.base import AcceleratePrecision
+
+__all__ = ["AcceleratedModule", "backward_guard"]
+
+
+def backward_guard(strategy: Strategy) -> str | None:
+    """Why ``loss.backward()`` would be wrong under ``strategy`` and its precision plugin, or ``None`` if it is fine."""
+    precision = strategy.precision
+    if is_overridden("backward", strategy, parent=Strategy):
+        return f"{type(strategy).__name__} runs the backward pass itself"
+    if isinstance(precision, AcceleratePrecision):
+        return "fp16 training scales the loss before backward" if precision.scaler is not None else None
+    if any(is_overridden(name, precision, parent=Precision) for name in ("pre_backward", "backward", "post_backward")):
+        return f"{type(precision).__name__} wraps the backward pass"
+    return None
+
+
+class AcceleratedModule(_FabricModule):
+    """A ``_FabricModule`` whose outputs refuse ``loss.backward()`` only where it would give wrong gradients."""
+
+    _backward_guard: str | None
+
+    @classmethod
+    def adopt(cls, module: _FabricModule) -> AcceleratedModule:
+        """Turn a module Fabric has just set up into this class, in place."""
+        # object.__setattr__: Fabric's __setattr__ would forward both names to the user's module as well.
+        object.__setattr__(module, "__class__", cls)
+        adopted: AcceleratedModule = module  # type: ignore[assignment]  # its class was just replaced
+        object.__setattr__(adopted, "_backward_guard", backward_guard(adopted._strategy))
+        return adopted
+
+    @override
+    def _register_backward_hook(self, tensor: Tensor) -> Tensor:
+        if self._backward_guard is not None and tensor.requires_grad:
+            tensor.register_hook(self._refuse_plain_backward)
+        return tensor
+
+    def _refuse_plain_backward(self, *_: Any) -> None:
+        from lightning.fabric import wrappers
+
+        if not wrappers._in_fabric_backward:
+            raise RuntimeError(
+                f"Call `accelerator.backward(loss)` instead of `loss.backward()`: {self._backward_guard}."
+            )
