@@ -1,26 +1,39 @@
 """Data loaders prepared by the ``Accelerator``: sharded across processes, epoch-aware, end-of-loader aware.
 
-The order of samples is Accelerate's: :class:`SeedableRandomSampler` reseeds ``data_seed + epoch`` at each epoch, and
-several processes take global batches ``p, p + P, ...`` (the last uneven round padded with samples from the start),
-so the same script draws the same batches under Accelerate and here.
+The order of samples is Accelerate 1.15's for every :class:`~lightning_accel.config.DataLoaderConfiguration`, so the
+same script draws the same batches under Accelerate and here:
+
+- map-style datasets (any batch sampler) are dealt by :class:`BatchSamplerShard`; iterable datasets by
+  :class:`IterableDatasetShard` (both in :mod:`lightning_accel._data_sharding`);
+- with ``dispatch_batches`` (the default for iterable datasets when batches are placed on the device), only process
+  0 iterates the loader and :class:`DataLoaderDispatcher` broadcasts each batch for the processes to slice;
+- with ``use_stateful_dataloader`` the batches come from torchdata's ``StatefulDataLoader`` and the loader's
+  ``state_dict()`` is the one to resume from.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
-from lightning_accel.callbacks.seedable_sampler import shard_batches
-from lightning_accel.state import GradientState
-from lightning_accel.utils.operations import send_to_device
-from lightning_accel.utils.random import synchronize_rng_states
+from lightning_accel._data_loaders import DataLoaderDispatcher, DataLoaderShard, stateful_dataloader_class
+from lightning_accel._data_sharding import BatchSamplerShard, IterableDatasetShard, check_split_batch_size
 
-__all__ = ["BatchSamplerShard", "DataLoaderShard", "SeedableRandomSampler", "prepare_data_loader", "skip_first_batches"]
+__all__ = [
+    "BatchSamplerShard",
+    "DataLoaderDispatcher",
+    "DataLoaderShard",
+    "IterableDatasetShard",
+    "SeedableRandomSampler",
+    "get_sampler",
+    "prepare_data_loader",
+    "skip_first_batches",
+]
 
 # DataLoader arguments carried over to the prepared loader (the sampling ones are rebuilt).
 _CARRIED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context")
@@ -56,146 +69,6 @@ class SeedableRandomSampler(RandomSampler):
         self.epoch = epoch
 
 
-class BatchSamplerShard(Sampler[list[int]]):
-    """The batches of one process: global batches ``process_index, process_index + num_processes, ...``.
-
-    Accelerate's default sharding (``even_batches=True``): without ``drop_last`` the last round is padded with samples
-    from the start of the epoch so every process gets the same number of full batches.
-
-    Args:
-        sampler: The index sampler of the original loader.
-        batch_size: Samples per batch on each process.
-        drop_last: Drop the last incomplete round instead of padding it.
-        num_processes: Number of processes.
-        process_index: This process's rank.
-
-    """
-
-    def __init__(
-        self, sampler: Sampler[int], batch_size: int, drop_last: bool, num_processes: int, process_index: int
-    ) -> None:
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.num_processes = num_processes
-        self.process_index = process_index
-
-    @override
-    def __iter__(self) -> Iterator[list[int]]:
-        order = list(self.sampler)
-        yield from shard_batches(order, self.batch_size, self.num_processes, self.process_index, self.drop_last)
-
-    def __len__(self) -> int:
-        samples = len(self.sampler)  # type: ignore[arg-type]
-        rounds, rest = divmod(samples, self.batch_size * self.num_processes)
-        return rounds + (1 if rest and not self.drop_last else 0)
-
-
-class DataLoaderShard(DataLoader):
-    """A ``DataLoader`` that moves batches to the device and tells :class:`GradientState` when its last batch comes.
-
-    It looks one batch ahead, so ``end_of_dataloader`` is already true while the last batch is processed.
-
-    Attributes:
-        device: Where batches go (``None`` keeps them where the collate function put them).
-        iteration: The epoch of the next iteration (passed to ``set_epoch`` of the samplers).
-        skip_batches: Batches skipped at the start of every iteration.
-        end_of_dataloader: Whether the batch being processed is the last one.
-        remainder: Samples in the last global batch (``-1`` when unknown or with ``drop_last``).
-        position: Batches of the current epoch handed out so far (0 between epochs); ``load_state`` resumes there.
-
-    """
-
-    def __init__(
-        self,
-        *args: Any,
-        device: torch.device | None = None,
-        rng_types: Sequence[str] = (),
-        synchronized_generator: torch.Generator | None = None,
-        skip_batches: int = 0,
-        non_blocking: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.device = device
-        self.rng_types = list(rng_types)
-        self.synchronized_generator = synchronized_generator
-        self.skip_batches = skip_batches
-        self.non_blocking = non_blocking
-        self.iteration = 0
-        self.end_of_dataloader = False
-        self.remainder = -1
-        self.position = 0
-        self.resume_position = 0  # one-shot skip for the next iteration, set by load_state
-        self.gradient_state = GradientState()
-
-    @property
-    def total_batch_size(self) -> int:
-        """Samples per step over all processes."""
-        sampler = self.batch_sampler
-        return int(getattr(sampler, "batch_size", 1)) * int(getattr(sampler, "num_processes", 1))
-
-    @override
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not a _BaseDataLoaderIter
-        synchronize_rng_states(self.rng_types, self.synchronized_generator)
-        self._begin()
-        try:
-            self.set_epoch(self.iteration)
-            skip, self.resume_position = max(self.skip_batches, self.resume_position), 0
-            yield from self._look_ahead(super().__iter__(), skip)
-            self.iteration += 1
-            self.position = 0
-        finally:
-            self.gradient_state._remove_dataloader(self)
-
-    def _look_ahead(self, batches: Iterator[Any], skip: int) -> Iterator[Any]:
-        current = next(batches, _END)
-        index = 0
-        self.position = skip
-        while current is not _END:
-            if self.device is not None:
-                current = send_to_device(current, self.device, non_blocking=self.non_blocking)
-            upcoming = next(batches, _END)
-            self.end_of_dataloader = upcoming is _END
-            if index >= skip:
-                self.position = index + 1
-                yield current
-            index += 1
-            current = upcoming
-
-    def _begin(self) -> None:
-        self.end_of_dataloader = False
-        self.remainder = -1
-        if not self.batch_sampler_drops_last and hasattr(self.dataset, "__len__"):
-            self.remainder = len(self.dataset) % self.total_batch_size
-        self.gradient_state._add_dataloader(self)
-
-    @property
-    def batch_sampler_drops_last(self) -> bool:
-        """Whether incomplete batches are dropped."""
-        return bool(getattr(self.batch_sampler, "drop_last", self.drop_last))
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of this loader and of every sampler below it that has ``set_epoch``.
-
-        Moving to another epoch than the one ``load_state`` restored drops the restored position.
-        """
-        if epoch != self.iteration:
-            self.resume_position = 0
-        self.iteration = epoch
-        batch_sampler: Any = self.batch_sampler
-        if hasattr(batch_sampler, "set_epoch"):
-            batch_sampler.set_epoch(epoch)
-        inner: Any = getattr(batch_sampler, "sampler", None)
-        if hasattr(inner, "set_epoch"):
-            inner.set_epoch(epoch)
-        elif hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
-
-
-_END = object()
-
-
 def check_rng_types(rng_types: Sequence[Any]) -> list[str]:
     """Normalise ``rng_types`` (strings or ``RNGType``) to strings.
 
@@ -210,76 +83,176 @@ def check_rng_types(rng_types: Sequence[Any]) -> list[str]:
     return names
 
 
+def get_sampler(dataloader: DataLoader) -> Any:
+    """The index sampler below the loader's batch sampler (``None`` when it has none)."""
+    if isinstance(dataloader.sampler, (BatchSampler, BatchSamplerShard)):
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)
+
+
 def prepare_data_loader(
     dataloader: DataLoader,
     device: torch.device | None,
     *,
     num_processes: int,
     process_index: int,
+    split_batches: bool = False,
+    dispatch_batches: bool | None = None,
+    even_batches: bool = True,
     rng_types: Sequence[str] = ("generator",),
     use_seedable_sampler: bool = False,
     data_seed: int | None = None,
     non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+    slice_fn_for_dispatch: Callable[..., Any] | None = None,
 ) -> DataLoaderShard:
-    """Rebuild ``dataloader`` as a :class:`DataLoaderShard` for this process.
+    """Rebuild ``dataloader`` for this process, as Accelerate's ``prepare_data_loader`` does.
+
+    Args:
+        dataloader: The user's loader.
+        device: Where batches go; ``None`` leaves them where they are (and turns the ``dispatch_batches=None``
+            default off).
+        num_processes: Number of processes.
+        process_index: This process's rank.
+        split_batches: Split each batch between the processes instead of giving each its own batches.
+        dispatch_batches: Process 0 reads and the others receive; ``None`` means "for iterable datasets" (when
+            ``device`` is set).
+        even_batches: Pad the last round so that every process gets as many batches.
+        rng_types: Generators synchronised at each iteration.
+        use_seedable_sampler: Replace a ``RandomSampler`` by a :class:`SeedableRandomSampler`.
+        data_seed: Seed of the seedable sampler.
+        non_blocking: Non-blocking host-to-device copies.
+        use_stateful_dataloader: Back the loader with torchdata's ``StatefulDataLoader``.
+        slice_fn_for_dispatch: How a dispatched batch is sliced.
 
     Raises:
-        ValueError: For loaders this slice cannot shard yet (iterable datasets or custom batch samplers on several
-            processes).
+        ValueError: For ``dispatch_batches=True`` without a device, or ``split_batches`` with a batch size that the
+            number of processes does not divide.
+        ImportError: For ``use_stateful_dataloader`` without torchdata.
 
     """
-    sampler: Any = dataloader.sampler
+    if dispatch_batches is None:
+        dispatch_batches = device is not None and isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches and device is None:
+        raise ValueError(
+            "dispatch_batches=True sends the batches from process 0 to the device of each process, so it needs device"
+            " placement: pass device_placement=True (the default) or leave dispatch_batches unset."
+        )
+    if split_batches:
+        batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
+        check_split_batch_size(batch_size, num_processes, "the DataLoader")
+    if use_stateful_dataloader:
+        stateful_dataloader_class()
+    sampler = get_sampler(dataloader)
     if isinstance(sampler, RandomSampler) and use_seedable_sampler:
         sampler = SeedableRandomSampler(
-            sampler.data_source, replacement=sampler.replacement, num_samples=sampler._num_samples, data_seed=data_seed
+            sampler.data_source,
+            replacement=sampler.replacement,
+            num_samples=sampler._num_samples,
+            generator=sampler.generator,
+            data_seed=data_seed,
         )
+    common: dict[str, Any] = {name: getattr(dataloader, name) for name in _CARRIED}
+    if dataloader.num_workers > 0:
+        common.update({name: getattr(dataloader, name) for name in _WORKER_ONLY})
+    common.update(
+        device=device,
+        non_blocking=non_blocking,
+        source_drop_last=dataloader.drop_last,
+        use_stateful_dataloader=use_stateful_dataloader,
+    )
+    if dispatch_batches:
+        return DataLoaderDispatcher(
+            dataloader.dataset,
+            num_processes=num_processes,
+            process_index=process_index,
+            split_batches=split_batches,
+            slice_fn=slice_fn_for_dispatch,
+            **_sampling(dataloader, sampler),
+            **common,
+        )
+    return _prepare_shard(
+        dataloader,
+        sampler,
+        common,
+        num_processes=num_processes,
+        process_index=process_index,
+        split_batches=split_batches,
+        even_batches=even_batches,
+        rng_types=rng_types,
+        use_seedable_sampler=use_seedable_sampler,
+    )
+
+
+def _prepare_shard(
+    dataloader: DataLoader,
+    sampler: Any,
+    common: dict[str, Any],
+    *,
+    num_processes: int,
+    process_index: int,
+    split_batches: bool,
+    even_batches: bool,
+    rng_types: Sequence[str],
+    use_seedable_sampler: bool,
+) -> DataLoaderShard:
+    """The :class:`DataLoaderShard` of one process (no dispatching)."""
+    dataset = dataloader.dataset
+    sampling = _sampling(dataloader, sampler)
     synchronized = None
-    if num_processes > 1:
-        _check_shardable(dataloader)
-        if not use_seedable_sampler and isinstance(sampler, RandomSampler):
+    if num_processes > 1 and isinstance(dataset, IterableDataset):
+        synchronized = getattr(dataset, "generator", None)
+        batch_size = dataloader.batch_size
+        if batch_size is None:
+            raise ValueError(
+                "Sharding a DataLoader over an IterableDataset between processes needs its batch_size (got None):"
+                " pass batch_size=..., or DataLoaderConfiguration(dispatch_batches=True)."
+            )
+        dataset = IterableDatasetShard(
+            dataset, batch_size, dataloader.drop_last, num_processes, process_index, split_batches=split_batches
+        )
+        sampling["batch_size"] = batch_size // num_processes if split_batches else batch_size
+    elif num_processes > 1:
+        if "batch_sampler" not in sampling and not isinstance(dataloader.sampler, BatchSampler):
+            raise ValueError(
+                "A DataLoader with batch_size=None (no batch sampler) cannot be sharded between processes: pass"
+                " batch_size=..., a batch_sampler=..., or DataLoaderConfiguration(dispatch_batches=True)."
+            )
+        if not use_seedable_sampler and hasattr(sampler, "generator"):
             if sampler.generator is None:
                 seed = int(torch.empty((), dtype=torch.int64).random_().item())
                 sampler.generator = torch.Generator().manual_seed(seed)
             synchronized = sampler.generator
-    batch_sampler = _batch_sampler(dataloader, sampler, num_processes, process_index)
-    kwargs = {name: getattr(dataloader, name) for name in _CARRIED}
-    if dataloader.num_workers > 0:
-        kwargs.update({name: getattr(dataloader, name) for name in _WORKER_ONLY})
+        key = "sampler" if "sampler" in sampling else "batch_sampler"
+        sampling[key] = BatchSamplerShard(sampling[key], num_processes, process_index, split_batches, even_batches)
     return DataLoaderShard(
-        dataloader.dataset,
-        batch_sampler=batch_sampler,
+        dataset,
         generator=dataloader.generator,
-        device=device,
         rng_types=[t for t in rng_types if t != "generator" or synchronized is not None],
         synchronized_generator=synchronized,
-        non_blocking=non_blocking,
-        **kwargs,
+        **sampling,
+        **common,
     )
 
 
-def _check_shardable(dataloader: DataLoader) -> None:
+def _sampling(dataloader: DataLoader, sampler: Any) -> dict[str, Any]:
+    """The sampling arguments of the prepared loader: the original ones, with ``sampler`` below the batch sampler."""
     if isinstance(dataloader.dataset, IterableDataset):
-        raise ValueError(
-            "Sharding a DataLoader over an IterableDataset across processes is not supported yet; use a map-style"
-            " dataset (with __len__ and __getitem__) or shard the stream yourself."
-        )
-    if type(dataloader.batch_sampler) is not BatchSampler or dataloader.batch_size is None:
-        raise ValueError(
-            f"Only DataLoaders built with batch_size= (a plain BatchSampler) can be sharded across processes yet, got"
-            f" batch_sampler={type(dataloader.batch_sampler).__name__}; pass batch_size/shuffle/sampler instead."
-        )
+        return {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last}
+    if isinstance(dataloader.sampler, BatchSampler):  # a batch sampler given as sampler=
+        return {"sampler": _with_sampler(dataloader.sampler, sampler), "batch_size": dataloader.batch_size}
+    if dataloader.batch_sampler is None:  # batch_size=None: samples, not batches
+        return {"sampler": sampler if sampler is not None else dataloader.sampler, "batch_size": None}
+    return {"batch_sampler": _with_sampler(dataloader.batch_sampler, sampler)}
 
 
-def _batch_sampler(
-    dataloader: DataLoader, sampler: Sampler[int], num_processes: int, process_index: int
-) -> Sampler[list[int]] | Any:
-    original = dataloader.batch_sampler
-    if num_processes == 1:
-        if isinstance(original, BatchSampler) and type(original) is BatchSampler:
-            return BatchSampler(sampler, original.batch_size, original.drop_last)
-        return original
-    assert dataloader.batch_size is not None
-    return BatchSamplerShard(sampler, dataloader.batch_size, dataloader.drop_last, num_processes, process_index)
+def _with_sampler(batch_sampler: Any, sampler: Any) -> Any:
+    """``batch_sampler``, or a copy of it drawing from ``sampler`` when that replaces its own (the seedable one)."""
+    if sampler is None or getattr(batch_sampler, "sampler", None) is sampler:
+        return batch_sampler
+    replaced = copy.copy(batch_sampler)
+    replaced.sampler = sampler
+    return replaced
 
 
 def skip_first_batches(dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:

@@ -1,0 +1,419 @@
+"""The loader classes ``Accelerator.prepare`` returns: :class:`DataLoaderShard` and :class:`DataLoaderDispatcher`.
+
+:class:`DataLoaderShard` iterates this process's share of the data (see :mod:`lightning_accel._data_sharding`), one
+batch ahead so that ``end_of_dataloader`` is known while the last batch is processed. :class:`DataLoaderDispatcher`
+is Accelerate's dispatch mode: process 0 reads, every process receives its slice. Both can draw their batches from
+torchdata's ``StatefulDataLoader`` (``use_stateful_dataloader``), whose state ``state_dict()`` returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader
+from typing_extensions import override
+
+from lightning_accel._data_sharding import BatchSamplerShard
+from lightning_accel.state import GradientState
+from lightning_accel.utils.operations import (
+    broadcast,
+    broadcast_object_list,
+    concatenate,
+    find_batch_size,
+    recursively_apply,
+    send_to_device,
+    slice_tensors,
+)
+from lightning_accel.utils.random import synchronize_rng_states
+
+__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "stateful_dataloader_class"]
+
+_STATEFUL_HINT = "pip install 'lightning-accel[stateful]' (or pip install 'torchdata>=0.8')"
+
+
+def stateful_dataloader_class() -> type[DataLoader]:
+    """The ``StatefulDataLoader`` class of torchdata.
+
+    Raises:
+        ImportError: If torchdata (0.8 or newer) is not installed.
+
+    """
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError as err:
+        raise ImportError(
+            "DataLoaderConfiguration(use_stateful_dataloader=True) needs the StatefulDataLoader of torchdata>=0.8,"
+            f" which is not installed: {_STATEFUL_HINT}, or leave use_stateful_dataloader=False."
+        ) from err
+    return StatefulDataLoader
+
+
+class DataLoaderShard(DataLoader):
+    """A ``DataLoader`` that moves batches to the device and tells :class:`GradientState` when its last batch comes.
+
+    It looks one batch ahead, so ``end_of_dataloader`` is already true while the last batch is processed.
+
+    Args:
+        *args: ``DataLoader`` arguments (the dataset and this process's sampling).
+        device: Where batches go (``None`` keeps them where the collate function put them).
+        rng_types: Generators synchronised from process 0 at the start of each iteration.
+        synchronized_generator: The generator of ``"generator"`` in ``rng_types``.
+        skip_batches: Batches skipped at the start of every iteration.
+        non_blocking: Non-blocking host-to-device copies.
+        source_drop_last: ``drop_last`` of the loader this one was prepared from (no remainder when true).
+        use_stateful_dataloader: Draw the batches from torchdata's ``StatefulDataLoader`` (built with the same
+            arguments), whose state :meth:`state_dict` returns.
+        **kwargs: ``DataLoader`` keyword arguments.
+
+    Attributes:
+        iteration: The epoch of the next iteration (passed to ``set_epoch`` of the samplers).
+        end_of_dataloader: Whether the batch being processed is the last one.
+        remainder: Samples in the last global batch (``-1`` when unknown or with ``drop_last``).
+        position: Batches of the current epoch handed out so far (0 between epochs); ``load_state`` resumes there.
+
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        device: torch.device | None = None,
+        rng_types: Sequence[str] = (),
+        synchronized_generator: torch.Generator | None = None,
+        skip_batches: int = 0,
+        non_blocking: bool = False,
+        source_drop_last: bool = False,
+        use_stateful_dataloader: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = device
+        self.rng_types = list(rng_types)
+        self.synchronized_generator = synchronized_generator
+        self.skip_batches = skip_batches
+        self.non_blocking = non_blocking
+        self.source_drop_last = source_drop_last
+        self.use_stateful_dataloader = use_stateful_dataloader
+        base: Any = stateful_dataloader_class()(*args, **kwargs) if use_stateful_dataloader else None
+        self.base_dataloader = base
+        self._state: dict[str, Any] = base.state_dict() if base is not None else {}
+        self._resumed_batches = 0
+        self.iteration = 0
+        self.end_of_dataloader = False
+        self.remainder = -1
+        self.position = 0
+        self.resume_position = 0  # one-shot skip for the next iteration, set by load_state
+        self.gradient_state = GradientState()
+
+    @property
+    def total_batch_size(self) -> int:
+        """Samples per step over all processes.
+
+        Raises:
+            TypeError: If the batch sampler has no ``batch_size``.
+
+        """
+        is_batch_sampler = isinstance(self.sampler, (BatchSampler, BatchSamplerShard))
+        sampler: Any = self.sampler if is_batch_sampler else self.batch_sampler
+        size = getattr(sampler, "batch_size", None)
+        if size is None:
+            raise TypeError(f"The total batch size is unknown: {type(sampler).__name__} has no batch_size.")
+        if getattr(sampler, "split_batches", False):
+            return int(size)
+        return int(size) * int(getattr(sampler, "num_processes", 1))
+
+    @property
+    def total_dataset_length(self) -> int:
+        """Samples in the dataset (over all processes)."""
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    @override
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not a _BaseDataLoaderIter
+        synchronize_rng_states(self.rng_types, self.synchronized_generator)
+        self._begin()
+        try:
+            self.set_epoch(self.iteration)
+            skip, self.resume_position = max(self.skip_batches, self.resume_position), 0
+            yield from self._stream(skip)
+            self.iteration += 1
+            self.position = 0
+            self._resumed_batches = 0
+        finally:
+            self.gradient_state._remove_dataloader(self)
+
+    def _base_batches(self) -> Iterator[Any]:
+        """The batches of this process's loader (torchdata's ``StatefulDataLoader`` when stateful)."""
+        if self.base_dataloader is not None:
+            return iter(self.base_dataloader)
+        return DataLoader.__iter__(self)
+
+    def _stream(self, skip: int) -> Iterator[Any]:
+        """Hand out the batches one ahead of the loader, skipping the first ``skip``."""
+        batches = self._base_batches()
+        current = next(batches, _END)
+        index = 0
+        self.position = self._resumed_batches + skip
+        while current is not _END:
+            if self.device is not None:
+                current = send_to_device(current, self.device, non_blocking=self.non_blocking)
+            self._snapshot()
+            upcoming = next(batches, _END)
+            self.end_of_dataloader = upcoming is _END
+            if self.end_of_dataloader:
+                self._snapshot()
+            if index >= skip:
+                self.position = self._resumed_batches + index + 1
+                yield current
+            index += 1
+            current = upcoming
+
+    def _begin(self) -> None:
+        self.end_of_dataloader = False
+        self.remainder = self._initial_remainder()
+        self.gradient_state._add_dataloader(self)
+
+    def _initial_remainder(self) -> int:
+        if self.source_drop_last:
+            return -1
+        try:
+            return self.total_dataset_length % self.total_batch_size
+        except TypeError:  # an unsized dataset or an unknown batch size
+            return -1
+
+    # ---- stateful loaders ----------------------------------------------------------------------------------------
+
+    def _snapshot(self) -> None:
+        """Record the stateful loader's state as of the batches handed out (it runs one batch ahead)."""
+        if self.base_dataloader is None:
+            return
+        self._state = self.base_dataloader.state_dict()
+        self._adjust_state_for_prefetch()
+        self._state["_iterator_finished"] = self.end_of_dataloader
+
+    def _adjust_state_for_prefetch(self) -> None:
+        """Correct the recorded state for batches read ahead (none here: the snapshot precedes the read)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is, to resume from with :meth:`load_state_dict`.
+
+        With ``use_stateful_dataloader`` it is torchdata's ``StatefulDataLoader`` state as of the last batch handed
+        out (as in Accelerate); otherwise the epoch and the batches of it handed out so far.
+        """
+        if self.base_dataloader is not None:
+            return self._state
+        return {"iteration": self.iteration, "position": self.position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from a :meth:`state_dict`: the next iteration continues where that one stopped."""
+        if self.base_dataloader is not None:
+            self.base_dataloader.load_state_dict(state_dict)
+            finished = bool(state_dict.get("_iterator_finished", False))
+            self._resumed_batches = 0 if finished else int(state_dict.get("_num_yielded", 0))
+            return
+        self.iteration = int(state_dict["iteration"])
+        self.resume_position = int(state_dict["position"])
+
+    # ---- epochs --------------------------------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of this loader and of the samplers (or dataset) below it that have ``set_epoch``.
+
+        Moving to another epoch than the one ``load_state`` restored drops the restored position.
+        """
+        if epoch != self.iteration:
+            self.resume_position = 0
+        self.iteration = epoch
+        self._set_sampler_epochs(epoch)
+
+    def _set_sampler_epochs(self, epoch: int) -> None:
+        # The samplers Accelerate's DataLoaderShard.set_epoch reaches, in its order.
+        batch_sampler: Any = self.batch_sampler
+        if hasattr(batch_sampler, "set_epoch"):
+            batch_sampler.set_epoch(epoch)
+        if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch"):
+            batch_sampler.sampler.set_epoch(epoch)
+        inner: Any = getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)
+        if hasattr(inner, "set_epoch"):
+            inner.set_epoch(epoch)
+        elif hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _spec(batch: Any) -> Any:
+    return recursively_apply(lambda t: _TensorSpec(tuple(t.shape), t.dtype), batch)
+
+
+def _empty(spec: Any) -> Any:
+    return recursively_apply(
+        lambda s: torch.empty(s.shape, dtype=s.dtype), spec, test_type=lambda x: isinstance(x, _TensorSpec)
+    )
+
+
+class DataLoaderDispatcher(DataLoaderShard):
+    """A loader iterated by process 0 only, whose batches are broadcast and sliced: Accelerate's dispatch mode.
+
+    Without ``split_batches`` process 0 reads ``num_processes`` batches per step, concatenates them and process ``p``
+    keeps the ``p``-th slice (one original batch); with it, each batch is sliced. A last global batch that does not
+    divide evenly is completed with samples from the first one (unless ``drop_last``), and ``remainder`` becomes its
+    size. Every process builds an iterator of the loader (random generators advance as in Accelerate).
+
+    Unlike HF accelerate's, :func:`skip_first_batches` skips dispatched batches (the ones a process sees), for
+    map-style datasets too, and a batch that cannot be concatenated raises on every process instead of stalling the
+    others.
+
+    Args:
+        *args: ``DataLoader`` arguments (the original dataset and sampling, not sharded).
+        num_processes: Number of processes.
+        process_index: This process's rank.
+        split_batches: Slice each batch instead of dealing whole batches.
+        slice_fn: ``slice_fn(batch, slice, process_index=, num_processes=)`` (default :func:`slice_tensors`).
+        **kwargs: :class:`DataLoaderShard` keyword arguments (``device`` is required).
+
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+        slice_fn: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.slice_fn = slice_fn or slice_tensors
+        self._stopped = False
+
+    @property
+    @override
+    def total_batch_size(self) -> int:
+        """Samples per step over all processes."""
+        size = self.batch_size or getattr(self.batch_sampler, "batch_size", None)
+        if size is None:
+            raise TypeError(f"The total batch size is unknown: {type(self.batch_sampler).__name__} has no batch_size.")
+        return int(size) if self.split_batches else int(size) * self.num_processes
+
+    def __len__(self) -> int:
+        whole = len(self.base_dataloader) if self.base_dataloader is not None else super().__len__()
+        if self.split_batches:
+            return whole
+        return whole // self.num_processes if self.source_drop_last else math.ceil(whole / self.num_processes)
+
+    @override
+    def _initial_remainder(self) -> int:
+        return -1  # known at the last batch only (its size), as in Accelerate
+
+    @override
+    def _set_sampler_epochs(self, epoch: int) -> None:
+        if hasattr(getattr(self.batch_sampler, "sampler", None), "set_epoch"):
+            self.batch_sampler.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        elif hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    @override
+    def _adjust_state_for_prefetch(self) -> None:
+        # Accelerate's correction: process 0 has read num_processes - 1 batches more than the state should count.
+        ahead = self.num_processes - 1
+        for key in ("_sampler_iter_yielded", "_num_yielded"):
+            if self._state.get(key, 0) > 0:
+                self._state[key] -= ahead
+        sampler_state = self._state.get("_index_sampler_state")
+        if isinstance(sampler_state, dict) and sampler_state.get("samples_yielded", 0) > 0:
+            sampler_state["samples_yielded"] -= (self.batch_size or 1) * ahead
+
+    @override
+    def _stream(self, skip: int) -> Iterator[Any]:
+        assert self.device is not None, "dispatching needs a device"
+        batches = self._base_batches()  # on every process, as Accelerate does
+        self._stopped = False
+        first = None
+        upcoming = self._fetch(batches)
+        index, stop = 0, False
+        self.position = skip
+        while not stop and upcoming[1][0] is not None:
+            batch, (spec, _) = upcoming
+            batch = batch if self.process_index == 0 else _empty(spec)
+            batch = broadcast(send_to_device(batch, self.device, non_blocking=self.non_blocking), from_process=0)
+            if not self.source_drop_last and first is None:
+                first = self._slice(batch, slice(0, self.num_processes))
+            observed = find_batch_size(batch)
+            stop = self._stopped
+            if not stop:
+                upcoming = self._fetch(batches)
+                stop = self._stopped and upcoming[1][0] is None
+            share = observed // self.num_processes
+            if not self.source_drop_last and stop and observed % self.num_processes != 0:
+                batch, share = concatenate([batch, first]), share + 1
+            batch = self._slice(batch, slice(self.process_index * share, (self.process_index + 1) * share))
+            if stop:
+                self.end_of_dataloader = True
+                self._snapshot()
+                self.remainder = observed
+            if index >= skip:
+                self.position = index + 1
+                yield batch
+            index += 1
+
+    def _slice(self, batch: Any, part: slice) -> Any:
+        return self.slice_fn(batch, part, process_index=self.process_index, num_processes=self.num_processes)
+
+    def _fetch(self, batches: Iterator[Any]) -> tuple[Any, list[Any]]:
+        """Process 0 reads the next global batch; everyone learns its tensor shapes (or that the loader is done)."""
+        batch: Any = None
+        parts: list[Any] = []
+        info: list[Any] = [None, self._stopped, None]  # shapes, stopped, error
+        if self.process_index == 0:
+            try:
+                for _ in range(1 if self.split_batches else self.num_processes):
+                    parts.append(self._read(batches))  # one by one: a last, incomplete round keeps what was read
+                batch, info = self._joined(parts)
+            except StopIteration:
+                info = [None, True, None]
+        broadcast_object_list(info)
+        _raise_dispatch_error(info[2])
+        self._stopped = bool(info[1])
+        if self._stopped and not self.split_batches and not self.source_drop_last:
+            # The last round may be incomplete: dispatch what was read.
+            info = [None, True, None]
+            if self.process_index == 0 and parts:
+                batch, info = self._joined(parts)
+            broadcast_object_list(info)
+            _raise_dispatch_error(info[2])
+        return batch, info[:2]
+
+    def _read(self, batches: Iterator[Any]) -> Any:
+        self._snapshot()
+        return next(batches)
+
+    def _joined(self, parts: list[Any]) -> tuple[Any, list[Any]]:
+        try:
+            batch = parts[0] if self.split_batches else concatenate(parts, dim=0)
+        except (RuntimeError, TypeError) as err:
+            message = (
+                f"dispatch_batches=True could not concatenate {len(parts)} batches ({err}): batches must be tensors"
+                " of one shape except the first dimension. Pass DataLoaderConfiguration(dispatch_batches=False) so"
+                " that each process reads its own batches, or split_batches=True so that process 0 reads one batch"
+                " and slices it."
+            )
+            return None, [None, True, message]
+        return batch, [_spec(batch), False, None]
+
+
+def _raise_dispatch_error(message: str | None) -> None:
+    if message is not None:
+        raise RuntimeError(message)
