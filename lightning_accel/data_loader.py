@@ -14,6 +14,7 @@ same script draws the same batches under Accelerate and here:
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -200,7 +201,10 @@ def _prepare_shard(
     dataset = dataloader.dataset
     sampling = _sampling(dataloader, sampler)
     synchronized = None
-    if num_processes > 1 and isinstance(dataset, IterableDataset):
+    streaming = _shard_streaming_dataset(dataset, num_processes, process_index, split_batches)
+    if streaming is not None:
+        dataset = streaming
+    elif num_processes > 1 and isinstance(dataset, IterableDataset):
         synchronized = getattr(dataset, "generator", None)
         batch_size = dataloader.batch_size
         if batch_size is None:
@@ -233,6 +237,16 @@ def _prepare_shard(
         **sampling,
         **common,
     )
+
+
+def _shard_streaming_dataset(dataset: Any, num_processes: int, process_index: int, split_batches: bool) -> Any:
+    """A Hugging Face ``datasets.IterableDataset`` with enough shards, split by shards as Accelerate does (or None)."""
+    streaming_class = getattr(sys.modules.get("datasets"), "IterableDataset", None)
+    if num_processes == 1 or split_batches or streaming_class is None or not isinstance(dataset, streaming_class):
+        return None
+    if dataset.n_shards < num_processes:
+        return None
+    return dataset.shard(num_shards=num_processes, index=process_index)
 
 
 def _sampling(dataloader: DataLoader, sampler: Any) -> dict[str, Any]:

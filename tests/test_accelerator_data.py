@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,35 @@ def test_plain_loader_state_dict_is_its_position() -> None:
     del batches
     loader.load_state_dict(state)
     assert [b[0].tolist() for b in loader] == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]
+
+
+class _Sharded(IterableDataset):
+    """Stands for a Hugging Face ``datasets.IterableDataset`` made of shards."""
+
+    def __init__(self, shards: list[list[int]]) -> None:
+        self.shards = shards
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.shards)
+
+    def shard(self, num_shards: int, index: int) -> _Sharded:
+        return _Sharded(self.shards[index::num_shards])
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for shard in self.shards for i in shard)
+
+
+def test_hf_streaming_datasets_are_split_by_shards(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(IterableDataset=_Sharded))
+    loader = DataLoader(_Sharded([[0, 1, 2], [3, 4], [5, 6, 7]]), batch_size=2)
+    shard = prepare_data_loader(loader, None, num_processes=2, process_index=1)
+    assert [b.tolist() for b in shard] == [[3, 4]]
+    assert [b.tolist() for b in _prepare(loader)] == [[0, 1], [2, 5], [6, 7]]
+    # Too few shards, or split batches: dealt sample by sample.
+    few = DataLoader(_Sharded([[0, 1, 2, 3]]), batch_size=1)
+    assert [b.tolist() for b in _prepare(few)] == [[0], [2]]
+    assert [b.tolist() for b in _prepare(loader, split_batches=True)] == [[0], [2], [4], [6]]
 
 
 def test_iterable_dataset_dispatched_on_one_process() -> None:
