@@ -1,0 +1,89 @@
+"""The ``Accelerator``'s tracking methods: ``init_trackers``, ``log``, ``get_tracker`` (main process only)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_accel.state import PartialState
+from lightning_accel.tracking.base import GeneralTracker
+from lightning_accel.tracking.registry import LOGGER_TYPE_TO_CLASS, check_logging_dir
+
+__all__ = ["TrackingMixin"]
+
+
+class TrackingMixin:
+    """Accelerate's tracking methods; trackers are built, started and fed on the main process only."""
+
+    log_with: list[str | GeneralTracker]
+    trackers: list[GeneralTracker]
+
+    @property
+    def logging_dir(self) -> str | None:
+        """Where file-based trackers write (the ``Accelerator`` answers)."""
+        raise NotImplementedError
+
+    def init_trackers(
+        self,
+        project_name: str,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Start every tracker of ``log_with`` (on the main process) and store ``config`` in each.
+
+        Args:
+            project_name: The run's project (wandb project, MLflow experiment, TensorBoard sub-directory).
+            config: Hyperparameters to record.
+            init_kwargs: Per tracker name, keyword arguments for its constructor (e.g. ``{"wandb": {"dir": ...}}``).
+
+        Raises:
+            ValueError: If a tracker needs a logging directory and none is configured.
+
+        """
+        if not PartialState().is_main_process:
+            return
+        check_logging_dir(self.log_with, self.logging_dir)
+        init_kwargs = init_kwargs or {}
+        for item in self.log_with:
+            if isinstance(item, GeneralTracker):
+                self.trackers.append(item)
+                continue
+            tracker_cls = LOGGER_TYPE_TO_CLASS[item]
+            args = (project_name, self.logging_dir) if tracker_cls.requires_logging_directory else (project_name,)
+            self.trackers.append(tracker_cls(*args, **init_kwargs.get(item, {})))
+        for tracker in self.trackers:
+            tracker.start()
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.store_init_configuration(config)
+
+    def log(
+        self,
+        values: Mapping[str, Any],
+        step: int | None = None,
+        log_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Log ``values`` to every started tracker (on the main process)."""
+        if not PartialState().is_main_process:
+            return
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker called ``name`` (its underlying object with ``unwrap``); a no-op tracker elsewhere.
+
+        Raises:
+            ValueError: On the main process, when no tracker has that name.
+
+        """
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        if PartialState().is_main_process:
+            raise ValueError(f"No started tracker is called {name!r}; started: {[t.name for t in self.trackers]}.")
+        return GeneralTracker()
+
+    def _finish_trackers(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []

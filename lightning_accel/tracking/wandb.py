@@ -1,0 +1,100 @@
+"""Weights & Biases (``log_with="wandb"``), on the ``wandb`` package directly.
+
+Lightning's ``WandbLogger`` is not used: it logs the step as a ``trainer/global_step`` metric (with ``define_metric``)
+instead of passing it to ``run.log(step=...)``, and defaults the project to ``lightning_logs``. Accelerate's runs
+keep wandb's own ``_step`` equal to the step given to ``Accelerator.log`` and name the project after
+``init_trackers``' ``project_name``; this tracker does the same, so runs compare one to one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_accel.tracking.base import GeneralTracker, import_tracker_package, on_main_process
+
+__all__ = ["WANDB_INSTALL", "WandBTracker"]
+
+WANDB_INSTALL = "pip install 'lightning-accel[wandb]'"
+
+
+def _wandb() -> Any:
+    return import_tracker_package("wandb", WANDB_INSTALL)
+
+
+class WandBTracker(GeneralTracker):
+    """A wandb run: ``wandb.init(project=run_name, **kwargs)``; offline with ``WANDB_MODE=offline``.
+
+    Args:
+        run_name: The project name given to ``init_trackers`` (wandb's ``project``).
+        **kwargs: Passed to ``wandb.init`` (``init_kwargs={"wandb": {...}}``): ``name``, ``dir``, ``mode``, ``tags``...
+
+    Raises:
+        ValueError: If ``kwargs`` sets ``project`` (it is ``run_name``).
+
+    """
+
+    name = "wandb"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        if "project" in kwargs:
+            raise ValueError(
+                f"init_kwargs['wandb'] sets project={kwargs['project']!r}: the wandb project is init_trackers'"
+                f" project_name ({run_name!r}); pass the name there."
+            )
+        self.run_name = run_name
+        self.init_kwargs = kwargs
+        self.run: Any = None
+
+    @override
+    @on_main_process
+    def start(self) -> None:
+        self.run = _wandb().init(project=self.run_name, **self.init_kwargs)
+
+    @property
+    @override
+    def tracker(self) -> Any:
+        """The ``wandb`` run."""
+        return self.run
+
+    @override
+    @on_main_process
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """Update the run's config (values may change, as in Accelerate)."""
+        self.run.config.update(dict(values), allow_val_change=True)
+
+    @override
+    @on_main_process
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """``run.log(values, step=step, **kwargs)``: the step is wandb's ``_step``."""
+        self.run.log(dict(values), step=step, **kwargs)
+
+    @on_main_process
+    def log_images(self, values: Mapping[str, Sequence[Any]], step: int | None = None, **kwargs: Any) -> None:
+        """Log each key's images (arrays, tensors or PIL images) as a list of ``wandb.Image``, one call per key."""
+        wandb = _wandb()
+        for key, images in values.items():
+            self.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
+
+    @on_main_process
+    def log_table(
+        self,
+        table_name: str,
+        columns: list[str] | None = None,
+        data: list[list[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Log a ``wandb.Table`` built from ``columns`` and ``data``, or from ``dataframe``."""
+        table = _wandb().Table(columns=columns, data=data, dataframe=dataframe)
+        self.log({table_name: table}, step=step, **kwargs)
+
+    @override
+    @on_main_process
+    def finish(self) -> None:
+        self.run.finish()
