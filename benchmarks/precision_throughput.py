@@ -289,8 +289,7 @@ def save(args: argparse.Namespace, cfg: GPTConfig, results: dict[str, Any], comp
     """Write the JSON (after every run, so a run cut short by a time limit still leaves its numbers)."""
     if args.out is None:
         return
-    params = sum(p.numel() for p in GPT(cfg).parameters())
-    payload = {"machine": machine(), "size": args.size, "config": asdict(cfg), "parameters": params}
+    payload = {"machine": machine(), "size": args.size, "config": asdict(cfg), "parameters": args.parameters}
     payload |= {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "complete": complete}
     payload |= {"compile_backend": args.compile_backend, "full_compile": args.full_compile}
     args.out.write_text(json.dumps(payload | {"results": results, "ratios": ratios_of(results)}, indent=2))
@@ -302,9 +301,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (FP32Precision's default)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    params = sum(p.numel() for p in GPT(cfg).parameters())
+    with torch.device("meta"):
+        args.parameters = sum(p.numel() for p in GPT(cfg).parameters())
     print(
-        f"{machine()}\nGPT {args.size}: {params / 1e6:.1f}M parameters, {asdict(cfg)}\n"
+        f"{machine()}\nGPT {args.size}: {args.parameters / 1e6:.1f}M parameters, {asdict(cfg)}\n"
         f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.rounds} round(s), compile backend"
         f" {args.compile_backend} ({'whole networks' if args.full_compile else 'regional: block by block'})",
         flush=True,
