@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_accel.precision.base import AcceleratePrecision
 
-__all__ = ["AcceleratedModule", "backward_guard"]
+__all__ = ["AcceleratedModule", "backward_guard", "plain_optimizer_step"]
 
 
 def backward_guard(strategy: Strategy) -> str | None:
@@ -32,6 +32,20 @@ def backward_guard(strategy: Strategy) -> str | None:
     if any(is_overridden(name, precision, parent=Precision) for name in ("pre_backward", "backward", "post_backward")):
         return f"{type(precision).__name__} wraps the backward pass"
     return None
+
+
+def plain_optimizer_step(strategy: Strategy) -> bool:
+    """Whether stepping through ``strategy`` and its precision plugin is just ``optimizer.step()``.
+
+    True when neither overrides the step (no DeepSpeed engine, no XLA barrier) and there is no loss scaler.
+    """
+    precision = strategy.precision
+    return (
+        backward_guard(strategy) is None
+        and not is_overridden("optimizer_step", strategy, parent=Strategy)
+        and isinstance(precision, AcceleratePrecision)
+        and not is_overridden("optimizer_step", precision, parent=AcceleratePrecision)
+    )
 
 
 class AcceleratedModule(_FabricModule):

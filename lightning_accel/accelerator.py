@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_accel import _fabric, checkpointing
-from lightning_accel._module import AcceleratedModule
+from lightning_accel._module import AcceleratedModule, plain_optimizer_step
 from lightning_accel._process import ProcessControl
 from lightning_accel.config import (
     AutocastKwargs,
@@ -180,7 +180,7 @@ class Accelerator(ProcessControl, TrackingMixin):
         self.fabric = self._launch(settings, handlers)
         self.trackers: list[GeneralTracker] = []
         self.step = 0
-        self._models: list[_FabricModule] = []
+        self._models: list[AcceleratedModule] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
@@ -282,7 +282,8 @@ class Accelerator(ProcessControl, TrackingMixin):
         objects[index] = adopted
 
     def _register_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(optimizer, precision=self.fabric.strategy.precision)
+        strategy = self.fabric.strategy
+        wrapped = AcceleratedOptimizer(optimizer, strategy.precision, plain_step=plain_optimizer_step(strategy))
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -367,6 +368,9 @@ class Accelerator(ProcessControl, TrackingMixin):
         steps = self.gradient_state.num_steps
         if steps != 1 and not isinstance(self.fabric.strategy, DeepSpeedStrategy):
             loss = loss / steps
+        if self._models and all(m._backward_guard is None for m in self._models):
+            loss.backward(**kwargs)  # the strategy and precision plugin would add nothing around it
+            return
         model = self._models[0] if len(self._models) == 1 else None
         self.fabric.backward(loss, model=model, **kwargs)
 

@@ -23,12 +23,15 @@ class AcceleratedOptimizer(Optimizer):
     Args:
         optimizer: The optimizer Fabric returned from ``setup_optimizers`` (or a plain one).
         precision: The precision plugin, asked whether the last step was skipped (fp16 overflow).
+        plain_step: The strategy and precision plugin add nothing to the step (see
+            :func:`lightning_accel._module.plain_optimizer_step`): step the user's optimizer directly.
 
     """
 
-    def __init__(self, optimizer: Optimizer, precision: Any = None) -> None:
+    def __init__(self, optimizer: Optimizer, precision: Any = None, plain_step: bool = False) -> None:
         self.optimizer = optimizer
         self.precision = precision
+        self._stepper: Optimizer = getattr(optimizer, "optimizer", optimizer) if plain_step else optimizer
         self.gradient_state = GradientState()
         self._step_was_skipped = False
 
@@ -62,7 +65,7 @@ class AcceleratedOptimizer(Optimizer):
         """Step the wrapped optimizer, unless this micro-step accumulates."""
         if not self.gradient_state.sync_gradients:
             return None
-        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        result = self._stepper.step(closure) if closure is not None else self._stepper.step()
         self._step_was_skipped = bool(getattr(self.precision, "step_was_skipped", False))
         return result
 
