@@ -101,7 +101,7 @@ class Accelerator(ProcessControl, TrackingMixin):
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``InitProcessGroupKwargs``, ``AutocastKwargs``,
             ``GradScalerKwargs``; each goes to the strategy or precision plugin that uses it.
         dynamo_plugin: ``torch.compile`` settings applied by the strategy when a model is prepared.
-        log_with: ``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"all"``, ``GeneralTracker`` objects, or a list.
+        log_with: Tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"comet_ml"``, ``"all"``) or objects.
         megatron_lm_plugin: Accepted for Accelerate's signature; there is no Megatron-LM strategy yet (raises).
         dynamo_backend: Shorthand for ``dynamo_plugin=TorchDynamoPlugin(backend=...)``.
 

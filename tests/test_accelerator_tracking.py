@@ -17,6 +17,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.state import PartialState, reset_state
 from lightning_accel.tracking import (
     LOGGER_TYPE_TO_CLASS,
+    CometMLTracker,
     GeneralTracker,
     MLflowTracker,
     WandBTracker,
@@ -27,7 +28,7 @@ from lightning_accel.tracking import (
 )
 from tests.helpers import SCRIPTS, free_port, run_python
 from tests.scripts import tracking_parity
-from tests.tracking_readers import mlflow_runs, wandb_offline_run
+from tests.tracking_readers import comet_offline_experiment, mlflow_runs, wandb_offline_run
 
 
 @pytest.fixture(autouse=True)
@@ -314,9 +315,9 @@ def test_on_main_process_follows_main_process_only() -> None:
 def test_all_selects_every_installed_tracker_once(monkeypatch: pytest.MonkeyPatch) -> None:
     recorder = Recorder()
     accelerator = Accelerator(cpu=True, log_with=["wandb", "all", recorder, "tensorboard"])
-    assert accelerator.log_with == ["wandb", "tensorboard", "mlflow", recorder]
+    assert accelerator.log_with == ["wandb", "tensorboard", "comet_ml", "mlflow", recorder]
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    assert resolve_trackers("all") == ["tensorboard", "mlflow"]
+    assert resolve_trackers("all") == ["tensorboard", "comet_ml", "mlflow"]
 
 
 def test_all_needs_a_logging_dir_for_tensorboard(tmp_path: Path) -> None:
@@ -325,7 +326,7 @@ def test_all_needs_a_logging_dir_for_tensorboard(tmp_path: Path) -> None:
         accelerator.init_trackers("proj")
     with pytest.raises(ValueError, match="project_dir"):
         filter_trackers(["all"], logging_dir=None)
-    assert filter_trackers(["all"], logging_dir=str(tmp_path)) == ["tensorboard", "wandb", "mlflow"]
+    assert filter_trackers(["all"], logging_dir=str(tmp_path)) == ["tensorboard", "wandb", "comet_ml", "mlflow"]
 
 
 def test_no_tracker_is_a_no_op() -> None:
@@ -366,8 +367,11 @@ def test_registered_tracker_is_built_by_name(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("log_with", "match"),
     [
-        ("aim", r"'aim' is not supported by lightning_accel; use one of \['mlflow', 'tensorboard', 'wandb'\]"),
-        ("comet_ml", "'comet_ml' is not supported"),
+        (
+            "aim",
+            r"'aim' is not supported by lightning_accel; use one of \['comet_ml', 'mlflow', 'tensorboard', 'wandb'\]",
+        ),
+        ("trackio", "'trackio' is not supported"),
         ("nope", "Unknown tracker 'nope'"),
         (["tensorboard", 3], "Unknown tracker 3"),
     ],
@@ -379,12 +383,35 @@ def test_bad_trackers(log_with: Any, match: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "install"),
-    [("wandb", r"pip install 'lightning-accel\[wandb\]'"), ("mlflow", "pip install mlflow")],
+    [
+        ("wandb", r"pip install 'lightning-accel\[wandb\]'"),
+        ("mlflow", "pip install mlflow"),
+        ("comet_ml", "pip install comet_ml"),
+    ],
 )
 def test_missing_package_names_the_install_command(name: str, install: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=f"log_with='{name}' needs its package: {install}"):
         Accelerator(cpu=True, log_with=name)
-    tracker = WandBTracker("proj") if name == "wandb" else MLflowTracker("proj")
+    tracker = {"wandb": WandBTracker, "mlflow": MLflowTracker, "comet_ml": CometMLTracker}[name]("proj")
     with pytest.raises(ImportError, match=install):
         tracker.start()
+
+
+def test_comet_offline_experiment_matches_hf_accelerate(tmp_path: Path) -> None:
+    run_python([str(SCRIPTS / "tracking_comet.py"), str(tmp_path)], timeout=240, COMET_DISABLE_AUTO_LOGGING="1")
+    ours, hf = comet_offline_experiment(tmp_path / "ours"), comet_offline_experiment(tmp_path / "hf")
+    assert ours["project"] == hf["project"] == "parity"
+    assert ours["params"] == hf["params"]
+    assert {"lr": 0.1, "epochs": 2, "optimizer": "sgd"}.items() <= ours["params"].items()
+    assert (
+        ours["metrics"]
+        == hf["metrics"]
+        == {
+            "loss": [(1, 0.5), (2, 0.25)],
+            "acc": [(1, 0.75)],
+            "a": [(2, 1.0)],
+            "b": [(2, 2.0)],
+        }
+    )
+    assert (ours["other"]["note"], ours["other"]["Name"], hf["other"]["note"]) == ("hello", "ours", "hello")

@@ -76,3 +76,26 @@ def mlflow_runs(tracking_uri: str, experiment: str) -> list[dict[str, Any]]:
             }
         )
     return runs
+
+
+def comet_offline_experiment(offline_dir: Path) -> dict[str, Any]:
+    """Project, parameters, user metrics (``name -> [(step, value)]``) and "other" values of the single offline
+    archive in ``offline_dir`` (Comet's own system metrics and markers left out)."""
+    import zipfile
+
+    (archive,) = offline_dir.glob("*.zip")
+    with zipfile.ZipFile(archive) as zipped:
+        experiment = json.loads(zipped.read("experiment.json"))
+        messages = [json.loads(line) for line in zipped.read("messages.json").splitlines()]
+    found: dict[str, Any] = {"project": experiment["project_name"], "params": {}, "metrics": {}, "other": {}}
+    for message in messages:
+        payload = message["payload"]
+        if message["type"] == "parameter_msg" and payload["param"]["source"] == "manual":
+            found["params"][payload["param"]["paramName"]] = payload["param"]["paramValue"]
+        elif message["type"] == "metric_msg" and not payload["metric"]["metricName"].startswith("sys."):
+            metric = payload["metric"]
+            found["metrics"].setdefault(metric["metricName"], []).append((metric["step"], metric["metricValue"]))
+        elif message["type"] == "log_other":
+            found["other"][payload["key"]] = payload["value"]
+    found["metrics"].pop("process duration", None)
+    return found

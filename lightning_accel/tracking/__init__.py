@@ -1,12 +1,13 @@
 """Experiment trackers for the ``Accelerator`` (``log_with``, ``init_trackers``, ``log``, ``get_tracker``).
 
-Built in: ``"tensorboard"`` (through Lightning's ``TensorBoardLogger``), ``"wandb"`` and ``"mlflow"`` (on their own
-packages: see each module for why not Lightning's logger), ``"all"`` (those whose packages are installed), and any
-:class:`GeneralTracker`, passed as an object or registered by name. Packages load when a tracker starts. Accelerate's
-other names (aim, clearml, comet_ml, dvclive, swanlab, trackio) raise an error listing the supported ones.
+Built in: ``"tensorboard"`` (through Lightning's ``TensorBoardLogger``), ``"wandb"``, ``"comet_ml"`` and ``"mlflow"``
+(on their own packages: see each module for why not Lightning's logger), ``"all"`` (those whose packages are
+installed), and any :class:`GeneralTracker`, passed as an object or registered by name. Packages load when a tracker
+starts. Accelerate's other names (aim, clearml, dvclive, swanlab, trackio) raise an error listing the supported ones.
 """
 
 from lightning_accel.tracking.base import GeneralTracker, on_main_process
+from lightning_accel.tracking.comet import CometMLTracker
 from lightning_accel.tracking.mixin import TrackingMixin
 from lightning_accel.tracking.mlflow import MLflowTracker
 from lightning_accel.tracking.registry import (
@@ -21,6 +22,7 @@ from lightning_accel.tracking.wandb import WandBTracker
 
 __all__ = [
     "LOGGER_TYPE_TO_CLASS",
+    "CometMLTracker",
     "GeneralTracker",
     "MLflowTracker",
     "TensorBoardTracker",

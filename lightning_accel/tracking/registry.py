@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_accel.enums import LoggerType
 from lightning_accel.tracking.base import GeneralTracker
+from lightning_accel.tracking.comet import COMET_INSTALL, CometMLTracker
 from lightning_accel.tracking.mlflow import MLFLOW_INSTALL, MLflowTracker
 from lightning_accel.tracking.tensorboard import TensorBoardTracker
 from lightning_accel.tracking.wandb import WANDB_INSTALL, WandBTracker
@@ -31,6 +32,7 @@ __all__ = [
 LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
     "tensorboard": TensorBoardTracker,
     "wandb": WandBTracker,
+    "comet_ml": CometMLTracker,
     "mlflow": MLflowTracker,
 }
 
@@ -38,6 +40,7 @@ LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
 _PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
     "tensorboard": (("tensorboard", "tensorboardX"), "pip install tensorboard"),
     "wandb": (("wandb",), WANDB_INSTALL),
+    "comet_ml": (("comet_ml",), COMET_INSTALL),
     "mlflow": (("mlflow",), MLFLOW_INSTALL),
 }
 _BUILT_IN = tuple(_PACKAGES)
