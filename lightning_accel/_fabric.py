@@ -27,6 +27,7 @@ from lightning_accel.config._settings import PLUGIN_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
+from lightning_accel.state import GradientState
 from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.devices import backend_for_device
 
@@ -166,12 +167,17 @@ def build_fabric(
         handlers: Kwargs handlers by the argument they feed (see :func:`split_handlers`).
         plugins: ``fsdp_plugin``/``deepspeed_plugin``/``dynamo_plugin`` objects (``None`` values are dropped).
 
+    A strategy that takes ``gradient_accumulation_steps`` (DeepSpeed, whose engine divides the loss itself) gets
+    the accumulation of the shared :class:`~lightning_accel.state.GradientState`, which the ``Accelerator`` sets up
+    before launching.
+
     Raises:
         ValueError: For an unusable precision on this device (fp16 on CPU) or a type without a strategy.
 
     """
     strategy_options = {name: value for name, value in plugins.items() if value is not None}
-    strategy_options.update(_accepted(entry_for(dtype).fabric_cls, handlers))
+    loop = {"gradient_accumulation_steps": GradientState().num_steps}
+    strategy_options.update(_accepted(entry_for(dtype).fabric_cls, {**handlers, **loop}))
     strategy = strategy_for(dtype, fabric=True, **strategy_options)
     precision_cls = type(precision_plugin(mixed_precision))
     precision: AcceleratePrecision = precision_cls(**_accepted(precision_cls, handlers))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
@@ -300,11 +301,23 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
 class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     """Fabric twin of :class:`AcceleratedDeepSpeedStrategy`.
 
-    It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no accumulation or
-    clipping settings and no DataLoader at setup, so the config's ``"auto"`` entries for them become ``1``, ``0`` and
-    ``1`` (the micro-batch size only feeds DeepSpeed's throughput report). Accumulation follows DeepSpeed's own rules:
-    call ``fabric.backward(loss)`` and ``optimizer.step()`` for every micro-batch; the engine divides the loss by
-    ``gradient_accumulation_steps`` and updates the weights on every ``gradient_accumulation_steps``-th call.
+    It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no clipping setting
+    and no DataLoader at setup, so the config's ``"auto"`` entries for them become ``0`` and ``1`` (the micro-batch
+    size only feeds DeepSpeed's throughput report); ``"auto"`` accumulation becomes ``gradient_accumulation_steps``
+    (default ``1``). Accumulation follows DeepSpeed's own rules: call ``fabric.backward(loss)`` and
+    ``optimizer.step()`` for every micro-batch; the engine divides the loss by ``gradient_accumulation_steps`` and
+    updates the weights on every ``gradient_accumulation_steps``-th call. Alternatively, as ``lightning_accel``'s
+    ``Accelerator`` does, run the accumulating micro-batches inside ``fabric.no_backward_sync(model)``: they are then
+    the non-boundary steps and the others the boundary ones, whatever DeepSpeed's counter says.
+
+    Args:
+        gradient_accumulation_steps: Micro-batches per optimizer step of the loop driving this strategy (the
+            ``Accelerator``'s); it fills an ``"auto"`` config entry, and a config with another value is refused.
+        **kwargs: As :class:`AcceleratedDeepSpeedStrategy`, with ``precision`` instead of ``precision_plugin``.
+
+    Raises:
+        ValueError: If ``gradient_accumulation_steps`` and the config's value differ.
+
     """
 
     def __init__(
@@ -324,8 +337,10 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         load_full_weights: bool = False,
         exclude_frozen_parameters: bool = False,
         logging_level: int = logging.WARN,
+        gradient_accumulation_steps: int | None = None,
     ) -> None:
         self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
+        self._accumulation = _loop_accumulation(self._family.config, gradient_accumulation_steps)
         super().__init__(
             accelerator=accelerator,
             config=self._family.config,
@@ -339,6 +354,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
             exclude_frozen_parameters=exclude_frozen_parameters,
             logging_level=logging_level,
         )
+        self._backward_sync_control = _AccumulationBoundary(self._family)
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
@@ -376,7 +392,10 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     @override
     def _format_config(self) -> None:
         facts = TrainingFacts(
-            world_size=self.world_size, device_type=self.root_device.type, precision=facts_precision(self.precision)
+            world_size=self.world_size,
+            device_type=self.root_device.type,
+            precision=facts_precision(self.precision),
+            accumulation=self._accumulation,
         )
         self.config = self._family.resolve(facts)
 
@@ -415,6 +434,34 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register nothing: the ``acc_deepspeed*`` names come from lightning_accel's table."""
+
+
+class _AccumulationBoundary(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)`` under DeepSpeed: the backward passes inside accumulate (no boundary)."""
+
+    def __init__(self, family: DeepSpeedFamily) -> None:
+        self._family = family
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._family.accumulating(module) if enabled else nullcontext()
+
+
+def _loop_accumulation(config: Mapping[str, Any], steps: int | None) -> int | None:
+    """The loop's accumulation, checked against the config's own value (``"auto"`` takes the loop's).
+
+    Raises:
+        ValueError: If both are set and differ.
+
+    """
+    configured = config.get("gradient_accumulation_steps", "auto")
+    if steps is None or configured in ("auto", None) or configured == steps:
+        return steps
+    raise ValueError(
+        f"The DeepSpeed config has gradient_accumulation_steps={configured!r}, but the training loop accumulates"
+        f" {steps} micro-batches per step (Accelerator(gradient_accumulation_steps=...)). Set the same value in both,"
+        " or 'auto' in the DeepSpeed config (DeepSpeedPlugin(gradient_accumulation_steps='auto'))."
+    )
 
 
 def _batch_sizes(loaders: Any) -> list[int]:
