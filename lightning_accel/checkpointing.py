@@ -16,7 +16,10 @@ Differences from Accelerate (its bugs, fixed):
   ``random_states_{rank}.pkl``), so a resumed run continues with the next batch of the right epoch instead of
   replaying epoch 0 (exact with the seedable sampler, whose order depends only on the epoch).
 
-This first slice saves single-process and DDP-family runs; FSDP and DeepSpeed checkpoints are not handled yet.
+Under FSDP and DeepSpeed the engine writes the models and optimizers itself, under Accelerate's names too
+(``pytorch_model_fsdp_0/`` and ``optimizer_0/``, ``pytorch_model_fsdp.bin`` and ``optimizer.bin``, or DeepSpeed's
+``pytorch_model/``): see :mod:`lightning_accel._sharded_checkpoint`. As in Accelerate, the save hooks then get no
+weights and the load hooks no models.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from lightning_accel._sharded_checkpoint import EngineCheckpoint, engine_checkpoint
 from lightning_accel.utils.constants import (
     MODEL_NAME,
     OPTIMIZER_NAME,
@@ -113,28 +117,38 @@ def _writes_shared_files(accelerator: Accelerator) -> bool:
 
 
 def save_state(
-    accelerator: Accelerator, output_dir: str | os.PathLike[str] | None = None, *, safe_serialization: bool = True
+    accelerator: Accelerator,
+    output_dir: str | os.PathLike[str] | None = None,
+    *,
+    safe_serialization: bool = True,
+    **engine_kwargs: Any,
 ) -> str:
     """Write a checkpoint of everything ``accelerator`` prepared or registered; collective (every process calls it).
 
     Args:
         accelerator: The accelerator whose state to save.
         output_dir: Destination; must be ``None`` with automatic checkpoint naming.
-        safe_serialization: Write model weights as safetensors (else ``pytorch_model.bin``).
+        safe_serialization: Write model weights as safetensors (else ``pytorch_model.bin``); engines that write
+            their own files (FSDP, DeepSpeed) ignore it, as in Accelerate.
+        **engine_kwargs: Passed to DeepSpeed's ``save_checkpoint`` (e.g. ``exclude_frozen_parameters=True``).
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        ValueError: For a missing or conflicting destination.
+        ValueError: For a missing or conflicting destination, or ``engine_kwargs`` without DeepSpeed.
 
     """
-    _refuse_sharded(list(accelerator._models))
+    engine = _engine(accelerator, engine_kwargs)
     target = _target_dir(accelerator, output_dir)
     accelerator.wait_for_everyone()  # every process checked the target before any creates it
+    if engine is not None:
+        target.mkdir(parents=True, exist_ok=True)
+        engine.save(accelerator._models, accelerator._optimizers, target, **engine_kwargs)
+        accelerator.wait_for_everyone()
     if _writes_shared_files(accelerator):
         target.mkdir(parents=True, exist_ok=True)
-        _save_shared(accelerator, target, safe_serialization)
+        _save_shared(accelerator, target, safe_serialization, engine is None)
     accelerator.wait_for_everyone()
     target.mkdir(parents=True, exist_ok=True)
     loaders = accelerator._dataloaders
@@ -152,9 +166,30 @@ def save_state(
     return str(target)
 
 
-def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: bool) -> None:
+def _engine(accelerator: Accelerator, engine_kwargs: Mapping[str, Any]) -> EngineCheckpoint | None:
+    """The handler of an engine that writes its own model files, checking the arguments meant for it.
+
+    Raises:
+        ValueError: On every process, before any barrier: for ``engine_kwargs`` without such an engine, or for sharded
+            (DTensor) weights that no handler writes.
+
+    """
+    engine = engine_checkpoint(accelerator.fabric.strategy)
+    if engine is None:
+        if engine_kwargs:
+            raise ValueError(
+                f"save_state/load_state got {sorted(engine_kwargs)}, keyword arguments for DeepSpeed's"
+                f" save_checkpoint/load_checkpoint, but this run is {accelerator.distributed_type}; drop them."
+            )
+        _refuse_sharded(list(accelerator._models))
+    return engine
+
+
+def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: bool, own_weights: bool) -> None:
+    """Write the main process's files: weights and optimizers (unless an engine did), schedulers, scaler, objects."""
     models = list(accelerator._models)
-    weights = [model.state_dict() for model in models]  # the users' modules, without the strategy's wrapper
+    # The users' modules, without the strategy's wrapper; an engine saved its own (hooks get none, as in Accelerate).
+    weights = [model.state_dict() for model in models] if own_weights else []
     for hook in list(accelerator._save_state_pre_hooks.values()):
         hook(models, weights, str(target))  # a hook may pop entries to save them its own way
     for i, state in enumerate(weights):
@@ -165,7 +200,7 @@ def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: boo
             save_file(tensors, target / _indexed(SAFE_WEIGHTS_NAME, i), metadata={"format": "pt"})
         else:
             torch.save(state, target / _indexed(WEIGHTS_NAME, i))
-    for i, optimizer in enumerate(accelerator._optimizers):
+    for i, optimizer in enumerate(accelerator._optimizers if own_weights else []):
         torch.save(optimizer.state_dict(), target / _indexed(f"{OPTIMIZER_NAME}.bin", i))
     for i, scheduler in enumerate(accelerator._schedulers):
         torch.save(scheduler.state_dict(), target / _indexed(f"{SCHEDULER_NAME}.bin", i))
@@ -188,8 +223,9 @@ def _refuse_sharded(models: list[torch.nn.Module]) -> None:
     sharded = [name for model in models for name, p in model.named_parameters() if isinstance(p, DTensor)]
     if sharded:
         raise ValueError(
-            f"save_state cannot write sharded (FSDP) weights yet ({sharded[0]!r} is a DTensor); use"
-            " accelerator.save_model(model, directory), which gathers them."
+            f"save_state cannot write the sharded (DTensor) weights of this strategy ({sharded[0]!r} is one); use"
+            " accelerator.save_model(model, directory), which gathers them, or train with FSDP, whose checkpoints"
+            " save_state writes."
         )
 
 
@@ -249,33 +285,41 @@ def _source_dir(accelerator: Accelerator, input_dir: str | os.PathLike[str] | No
     return folders[-1][1]
 
 
-def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None = None) -> str:
+def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None = None, **engine_kwargs: Any) -> str:
     """Restore what :func:`save_state` (or HF accelerate's) wrote; every process calls it.
 
     Without ``input_dir`` and with automatic naming, the newest ``checkpoint_N`` is loaded. The save counter is set
     past the newest existing checkpoint, so the next automatic save gets a fresh folder.
 
+    Args:
+        accelerator: The accelerator whose prepared and registered objects to restore.
+        input_dir: The checkpoint folder; ``None`` with automatic naming.
+        **engine_kwargs: Passed to DeepSpeed's ``load_checkpoint`` (e.g. ``load_optimizer_states=False``).
+
     Returns:
         The checkpoint directory.
 
     Raises:
-        ValueError: For a missing directory or model file, an unreadable file, or a different number of registered
-            objects than the checkpoint holds.
+        ValueError: For a missing directory or model file, an unreadable file, a different number of registered
+            objects than the checkpoint holds, or ``engine_kwargs`` without DeepSpeed.
 
     """
+    engine = _engine(accelerator, engine_kwargs)
     source = _source_dir(accelerator, input_dir)
-    models = list(accelerator._models)
+    models = list(accelerator._models) if engine is None else []  # an engine loads its models itself
     for hook in list(accelerator._load_state_pre_hooks.values()):
         hook(models, str(source))  # a hook may pop models to load them its own way
+    scaler = getattr(accelerator.fabric.strategy.precision, "scaler", None)
+    if scaler is not None and (source / SCALER_NAME).is_file():
+        scaler.load_state_dict(_read(source / SCALER_NAME, _torch_load))  # before optimizers, which FSDP2 may step
+    if engine is not None:
+        engine.load(accelerator._models, accelerator._optimizers, source, **engine_kwargs)
     for i, model in enumerate(models):
         _load_model(model, source, i)
-    for i, optimizer in enumerate(accelerator._optimizers):
+    for i, optimizer in enumerate(accelerator._optimizers if engine is None else []):
         optimizer.load_state_dict(_read(source / _indexed(f"{OPTIMIZER_NAME}.bin", i), _torch_load))
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(_read(source / _indexed(f"{SCHEDULER_NAME}.bin", i), _torch_load))
-    scaler = getattr(accelerator.fabric.strategy.precision, "scaler", None)
-    if scaler is not None and (source / SCALER_NAME).is_file():
-        scaler.load_state_dict(_read(source / SCALER_NAME, _torch_load))
     _load_custom_objects(accelerator._custom_objects, source)
     _load_rng(accelerator, source)
     _restore_save_counter(accelerator, source)

@@ -229,6 +229,11 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP
 
+    @property
+    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin:
+        """The FSDP settings in use."""
+        return self._fsdp.plugin
+
     @override
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
