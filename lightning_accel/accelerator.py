@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_accel import _fabric, checkpointing
+from lightning_accel._loader_control import DataLoaderControl
 from lightning_accel._module import AcceleratedModule, plain_optimizer_step
 from lightning_accel._process import ProcessControl
 from lightning_accel.config import (
@@ -42,8 +43,7 @@ from lightning_accel.config import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from lightning_accel.data_loader import DataLoaderShard, check_rng_types, prepare_data_loader
-from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
+from lightning_accel.data_loader import DataLoaderShard, check_rng_types
 from lightning_accel.enums import DynamoBackend
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import AcceleratedScheduler
@@ -76,7 +76,7 @@ def _check_arguments(**values: Any) -> None:
         _check_type(name, value, expected[name])
 
 
-class Accelerator(ProcessControl, TrackingMixin):
+class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
 
     Arguments left at their defaults are read from the launch environment (``ACCELERATE_MIXED_PRECISION``,
@@ -215,11 +215,6 @@ class Accelerator(ProcessControl, TrackingMixin):
     # ---- configuration ------------------------------------------------------------------------------------------
 
     @property
-    def split_batches(self) -> bool:
-        """``dataloader_config.split_batches``."""
-        return self.dataloader_config.split_batches
-
-    @property
     def project_dir(self) -> str | None:
         """Root of automatically named checkpoints."""
         return self.project_configuration.project_dir
@@ -295,42 +290,6 @@ class Accelerator(ProcessControl, TrackingMixin):
         """Set up one optimizer (after its model)."""
         return self.prepare(optimizer)
 
-    def prepare_data_loader(
-        self,
-        data_loader: DataLoader,
-        device_placement: bool | None = None,
-        slice_fn_for_dispatch: Callable[..., Any] | None = None,
-    ) -> DataLoaderShard:
-        """Shard ``data_loader`` for this process as :attr:`dataloader_config` says.
-
-        See :func:`lightning_accel.data_loader.prepare_data_loader`; ``slice_fn_for_dispatch`` slices dispatched
-        batches (``dispatch_batches``). A loader prepared already is returned as it is.
-        """
-        if isinstance(data_loader, DataLoaderShard):
-            if data_loader not in self._dataloaders:
-                self._dataloaders.append(data_loader)
-            return data_loader
-        config = self.dataloader_config
-        _check_loader_config(config, self.num_processes)
-        place = self.device_placement if device_placement is None else device_placement
-        prepared = prepare_data_loader(
-            data_loader,
-            self.device if place else None,
-            num_processes=self.num_processes,
-            process_index=self.process_index,
-            split_batches=config.split_batches,
-            dispatch_batches=config.dispatch_batches,
-            even_batches=config.even_batches,
-            rng_types=list(self.rng_types),
-            use_seedable_sampler=config.use_seedable_sampler,
-            data_seed=config.data_seed,
-            non_blocking=config.non_blocking,
-            use_stateful_dataloader=config.use_stateful_dataloader,
-            slice_fn_for_dispatch=slice_fn_for_dispatch,
-        )
-        self._dataloaders.append(prepared)
-        return prepared
-
     def prepare_scheduler(self, scheduler: LRScheduler) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so it steps with its (prepared) optimizer."""
         optimizers = [opt for opt in self._optimizers if _raw_optimizer(opt) is scheduler.optimizer]
@@ -339,10 +298,6 @@ class Accelerator(ProcessControl, TrackingMixin):
         )
         self._schedulers.append(wrapped)
         return wrapped
-
-    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
-        """A copy of a prepared loader that skips its first ``num_batches`` batches."""
-        return _skip_first_batches(dataloader, num_batches)
 
     # ---- the training step ---------------------------------------------------------------------------------------
 
@@ -627,17 +582,3 @@ def _all_tensors(data: Any) -> bool:
     if isinstance(data, dict):
         return all(_all_tensors(item) for item in data.values())
     return isinstance(data, torch.Tensor)
-
-
-def _check_loader_config(config: DataLoaderConfiguration, num_processes: int) -> None:
-    """Check what a loader configuration needs installed (the loader-dependent checks come with the loader).
-
-    Raises:
-        ImportError: For ``use_stateful_dataloader=True`` without torchdata.
-
-    """
-    del num_processes  # every option works on any number of processes
-    if config.use_stateful_dataloader:
-        from lightning_accel._data_loaders import stateful_dataloader_class
-
-        stateful_dataloader_class()

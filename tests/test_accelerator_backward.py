@@ -52,9 +52,7 @@ def test_plain_backward_is_refused_where_the_engine_runs_backward(monkeypatch: p
     model, _ = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     try:
         loss = model(torch.ones(2, 4)).float().sum()
-        with pytest.raises(
-            RuntimeError, match=r"`accelerator\.backward\(loss\)` instead of `loss\.backward\(\)`"
-        ):
+        with pytest.raises(RuntimeError, match=r"`accelerator\.backward\(loss\)` instead of `loss\.backward\(\)`"):
             loss.backward()
         accelerator.backward(model(torch.ones(2, 4)).float().sum())  # the supported call still works
     finally:

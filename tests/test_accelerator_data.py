@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
 
 from lightning_accel import Accelerator
@@ -110,6 +111,29 @@ def test_even_batches_false_gives_fewer_batches_to_some_processes(results: Resul
     assert counts == [4, 3]
     seen = sorted(i for rank in results["ours"] for batch in rank["uneven_fewer_batches"]["batches"][0] for i in batch)
     assert seen == list(range(20))  # nothing repeated, nothing lost
+
+
+def test_join_uneven_inputs_matches_a_plain_pytorch_replay(results: Results) -> None:
+    """Processes run out at different steps; under join the ones left average with the joined ones' zeros."""
+    from tests.scripts.accelerator_data import sample
+
+    runs = results["join"]
+    world = len(runs)
+    torch.manual_seed(7)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(max(len(run["batches"]) for run in runs)):
+        optimizer.zero_grad()
+        for run in runs:
+            if step < len(run["batches"]):
+                _, x, y = (torch.stack(t) for t in zip(*(sample(i) for i in run["batches"][step]), strict=True))
+                (nn.functional.mse_loss(model(x), y) / world).backward()  # DDP divides by the initial world size
+        optimizer.step()
+    if world == 2:
+        assert [len(run["batches"]) for run in runs] == [4, 3]
+    for run in runs:
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(run["weights"][key], value, msg=key)
 
 
 @pytest.mark.skipif(not HAS_TORCHDATA, reason="torchdata is not installed")

@@ -210,6 +210,34 @@ def stateful_resume(loader: Any) -> dict[str, Any]:
     return {"num_yielded": state.get("_num_yielded"), "finished": state.get("_iterator_finished"), "rest": rest}
 
 
+def joined_training(accelerator: Any, model: Any, optimizer: Any, loader: Any) -> dict[str, Any]:
+    """One epoch with uneven batch counts: processes that run out join instead of hanging."""
+    with accelerator.join_uneven_inputs([model]):
+        for _, x, y in loader:
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    weights = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    return {"weights": weights}
+
+
+def joined_run() -> dict[str, Any]:
+    """lightning_accel only: HF accelerate 1.15's join_uneven_inputs does nothing on CPU processes (and hangs)."""
+    import lightning_accel
+
+    accelerator = lightning_accel.Accelerator(
+        cpu=True, dataloader_config=lightning_accel.utils.DataLoaderConfiguration(even_batches=False)
+    )
+    torch.manual_seed(7)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(Indexed(20), batch_size=3))
+    batches = [index.tolist() for index, _, _ in loader]
+    record = joined_training(accelerator, model, optimizer, loader)
+    accelerator.wait_for_everyone()
+    return {"batches": batches, **record}
+
+
 def run_case(accelerate: Any, case: Case) -> dict[str, Any]:
     factory, config, even = case
     loader_config = accelerate.utils.DataLoaderConfiguration(**config)
@@ -266,6 +294,8 @@ def main() -> None:
             reset_all()
             records[case_name] = run_case(module, case)
         torch.save(records, out / f"{name}_rank{rank}.pt")
+    reset_all()
+    torch.save(joined_run(), out / f"join_rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
