@@ -83,3 +83,14 @@ def load_rank_results(out: Path) -> dict[str, list[dict[str, Any]]]:
         name, rank = path.stem.rsplit("_rank", 1)
         found.setdefault(name, []).insert(int(rank), torch.load(path, weights_only=False))
     return found
+
+
+def reset_accelerator_states() -> None:
+    """Forget the shared state of HF accelerate's and lightning_accel's ``Accelerator`` (between two in one process)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lightning_accel.state import reset_state
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    reset_state()

@@ -26,7 +26,7 @@ from lightning_accel.tracking import (
     register_tracker_class,
     resolve_trackers,
 )
-from tests.helpers import SCRIPTS, free_port, run_python
+from tests.helpers import SCRIPTS, free_port, reset_accelerator_states, run_python
 from tests.scripts import tracking_parity
 from tests.tracking_readers import comet_offline_experiment, mlflow_runs, wandb_offline_run
 
@@ -225,18 +225,13 @@ def _parity_records(root: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def _run_in_process(framework: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelerate.state import AcceleratorState as HFAcceleratorState
-    from accelerate.state import GradientState as HFGradientState
-
     for name, value in _tracker_env(root).items():
         monkeypatch.setenv(name, value)
     try:
         tracking_parity.run(framework)
     finally:
         _wandb_teardown()
-        HFAcceleratorState._reset_state(True)
-        HFGradientState._reset_state()
-        reset_state()
+        reset_accelerator_states()
 
 
 def test_same_wandb_and_mlflow_records_as_hf_accelerate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
+from tests.helpers import reset_accelerator_states
+
 EPOCHS = 2
 HAS_TORCHDATA = importlib.util.find_spec("torchdata") is not None
 
@@ -266,16 +268,6 @@ def _same_counts(record: dict[str, Any]) -> bool:
     return len(set(counts)) == 1
 
 
-def reset_all() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    from lightning_accel.state import reset_state
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    reset_state()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -291,10 +283,10 @@ def main() -> None:
         for case_name, case in CASES.items():
             if case_name == "batch_sampler_as_sampler" and "WORLD_SIZE" not in os.environ:
                 continue  # HF accelerate 1.15 passes batch_size twice for it on one process (TypeError)
-            reset_all()
+            reset_accelerator_states()
             records[case_name] = run_case(module, case)
         torch.save(records, out / f"{name}_rank{rank}.pt")
-    reset_all()
+    reset_accelerator_states()
     torch.save(joined_run(), out / f"join_rank{rank}.pt")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers import reset_accelerator_states
+
 DATA_SEED = 11
 EPOCHS = 2
 
@@ -128,16 +130,6 @@ def hf_loads_ours(checkpoint: Path, project_dir: Path) -> dict[str, Any]:
     return {"lr": scheduler.get_last_lr(), "counter": counter.value, "weights": weights}
 
 
-def reset_all() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    from lightning_accel.state import reset_state
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    reset_state()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -150,11 +142,11 @@ def main() -> None:
 
     results = {}
     for name, module in (("hf", accelerate), ("ours", lightning_accel)):
-        reset_all()
+        reset_accelerator_states()
         results[name] = train(module, out / name)
-    reset_all()
+    reset_accelerator_states()
     results["resume"] = resume(out / "hf" / "checkpoints" / results["hf"]["folders"][-1], out / "ours")
-    reset_all()
+    reset_accelerator_states()
     results["hf_loads_ours"] = hf_loads_ours(out / "ours" / "checkpoints" / "checkpoint_2", out / "hf_resume")
     for name, result in results.items():
         torch.save(result, out / f"{name}_rank{rank}.pt")

@@ -29,12 +29,8 @@ def run(framework: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    from accelerate.state import AcceleratorState, GradientState
-
-    from lightning_accel.state import reset_state
+    from tests.helpers import reset_accelerator_states
 
     for name in ("hf", "ours"):
         run(name, Path(sys.argv[1]))
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        reset_state()
+        reset_accelerator_states()
