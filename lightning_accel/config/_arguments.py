@@ -66,7 +66,10 @@ def fp8_recipe(settings: Mapping[str, Any]) -> tuple[Literal["ao", "te"], Any]:
 
     backend = str(settings.get("fp8_backend", "AO")).upper()
     if backend == "AO":
-        return "ao", AORecipeKwargs(pad_inner_dim=settings.get("fp8_pad_inner_dim"))
+        return "ao", AORecipeKwargs(
+            pad_inner_dim=settings.get("fp8_pad_inner_dim"),
+            enable_fsdp_float8_all_gather=settings.get("fp8_enable_fsdp_float8_all_gather"),
+        )
     if backend == "TE":
         return "te", TERecipeKwargs(**{field: settings[name] for name, field in _TE_FIELDS.items() if name in settings})
     raise ValueError(f"fp8_config backend {backend!r} is not supported; use AO (torchao) or TE (Transformer Engine)")

@@ -17,16 +17,25 @@ class AORecipeKwargs(KwargsHandler):
     """torchao float8 training settings.
 
     Attributes:
-        config: A ``torchao.float8.Float8LinearConfig``; ``None`` uses torchao's default (tensorwise scaling).
+        config: A ``torchao.float8.Float8LinearConfig``; ``None`` builds Accelerate's default (tensorwise scaling
+            with the two switches below). A given config is used as is, except that float8 all-gather is turned off
+            where FSDP2 does not shard the model (see ``enable_fsdp_float8_all_gather``).
         module_filter_func: ``(module, fqn) -> bool`` choosing the ``nn.Linear`` layers to convert; ``None`` converts
             every Linear except the first and the last, and those whose dimensions are not multiples of 16.
-        pad_inner_dim: Let torchao pad inner dimensions that are not multiples of 16.
+        pad_inner_dim: Let torchao pad inner dimensions that are not multiples of 16 (``None``: on, Accelerate's
+            default; padding adds zeros and changes no result).
+        enable_fsdp_float8_all_gather: Under ``acc_fsdp`` with FSDP2, cast the sharded weights of the float8
+            Linears to float8 *before* the all-gather (half the traffic of bf16) and refresh their scales with one
+            all-reduce after each optimizer step (``None``: on, Accelerate's default). It exists only for FSDP2
+            and is off elsewhere (FSDP1 cannot flatten torchao's weight wrapper; under DDP or one device it would
+            only replace the weights' ``Parameter`` objects): there the forward casts each weight to float8 itself.
 
     """
 
     config: Any = None
     module_filter_func: Callable[[Any, str], bool] | None = None
     pad_inner_dim: bool | None = None
+    enable_fsdp_float8_all_gather: bool | None = None
 
     def __post_init__(self) -> None:
         if self.module_filter_func is not None and not callable(self.module_filter_func):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -58,6 +59,7 @@ class FP8Precision(AcceleratePrecision):
             raise ModuleNotFoundError(f"fp8 with backend={backend!r} needs the `{module}` package: {hint}.")
         self.backend = backend
         self.recipe_kwargs = recipe_kwargs or expected()
+        self.fsdp_version: int | None = None
         super().__init__(torch.bfloat16, device=device, autocast_kwargs=autocast_kwargs)
         self.precision = "transformer-engine" if backend == "te" else "bf16-mixed"
 
@@ -79,6 +81,14 @@ class FP8Precision(AcceleratePrecision):
                 f"fp8 training needs compute capability >= 8.9, but {torch.cuda.get_device_name()} has"
                 f" {capability[0]}.{capability[1]}. Use bf16 instead."
             )
+
+    def shard_with_fsdp(self, version: int) -> None:
+        """Called by ``acc_fsdp`` before the conversion: FSDP ``version`` (1 or 2) will shard the converted model.
+
+        Under FSDP2 the torchao conversion wraps the float8 Linears' weights for float8 all-gather (see
+        :meth:`float8_linear_config`).
+        """
+        self.fsdp_version = version
 
     @override
     def convert_module(self, module: Module) -> Module:
@@ -103,13 +113,38 @@ class FP8Precision(AcceleratePrecision):
 
         return te.fp8_autocast(enabled=True, fp8_recipe=self._te_recipe())
 
+    def float8_linear_config(self) -> Any:
+        """The torchao ``Float8LinearConfig`` the Linears are converted with (the ``"ao"`` backend).
+
+        The recipe's ``config`` if it has one, else Accelerate's default: ``pad_inner_dim`` and
+        ``enable_fsdp_float8_all_gather`` on unless the recipe turns them off. Float8 all-gather is kept only where
+        FSDP2 shards the model: elsewhere it would replace the weights' ``Parameter`` objects (an optimizer created
+        before ``fabric.setup`` would keep the old ones) and break FSDP1 (it cannot flatten torchao's weight
+        wrapper), while the forward casts the weights to float8 with the same scales anyway.
+        """
+        import dataclasses
+
+        from torchao.float8 import Float8LinearConfig
+
+        kwargs = self.recipe_kwargs
+        assert isinstance(kwargs, AORecipeKwargs)
+        under_fsdp2 = self.fsdp_version == 2
+        if kwargs.config is not None:
+            config = kwargs.config
+            if config.enable_fsdp_float8_all_gather and not under_fsdp2:
+                config = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
+            return config
+        return Float8LinearConfig(
+            pad_inner_dim=kwargs.pad_inner_dim is not False,
+            enable_fsdp_float8_all_gather=under_fsdp2 and kwargs.enable_fsdp_float8_all_gather is not False,
+        )
+
     def _convert_ao(self, module: Module) -> Module:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
 
         assert isinstance(self.recipe_kwargs, AORecipeKwargs)
-        config = self.recipe_kwargs.config or Float8LinearConfig(pad_inner_dim=bool(self.recipe_kwargs.pad_inner_dim))
         filter_fn = self.recipe_kwargs.module_filter_func or _default_ao_filter(module)
-        convert_to_float8_training(module, config=config, module_filter_fn=filter_fn)
+        convert_to_float8_training(module, config=self.float8_linear_config(), module_filter_fn=filter_fn)
         return module
 
     def _convert_te(self, module: Module) -> Module:
@@ -154,3 +189,35 @@ def _default_ao_filter(root: Module) -> Any:
         return isinstance(module, nn.Linear) and fqn not in edges and _fp8_friendly(module)
 
     return keep
+
+
+def float8_all_gather_modules(module: Module) -> list[Module]:
+    """The torchao ``Float8Linear`` layers of ``module`` whose FSDP2-sharded weights are all-gathered in float8."""
+    if "torchao" not in sys.modules:  # nothing can be converted without it having been imported
+        return []
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, Float8Linear)
+        and isinstance(m.weight, DTensor)
+        and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+    ]
+
+
+def refresh_float8_scales(module: Module) -> None:
+    """Recompute the float8 scales of ``module``'s float8-all-gathered weights (one all-reduce for all of them).
+
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp``, which Accelerate runs after every optimizer step under
+    FSDP2 (without it, each weight's all-gather first all-reduces its own amax). Call it also after loading weights
+    into such a module: the scales precomputed before would be stale. A collective: every rank calls it. Nothing
+    happens for modules without float8-all-gathered weights.
+    """
+    if not float8_all_gather_modules(module):
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(module)

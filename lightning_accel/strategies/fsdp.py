@@ -6,6 +6,7 @@ launching come from the DDP family these classes extend (which runs on CPU, unli
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins import Precision
@@ -104,9 +106,21 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
         return False
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._fsdp.adopt_precision(self.precision_plugin)
+
+    @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
         model = apply_dynamo(model, self._dynamo_plugin)
         return self._fsdp.wrap(model, self.root_device, self.world_size, self.precision_plugin)
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        assert self.model is not None
+        for optimizer in self.optimizers:
+            self._fsdp.refresh_float8_scales_after_steps(optimizer, [self.model])
 
     @contextmanager
     @override
@@ -223,6 +237,7 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _FSDPBackwardSyncControl(self._fsdp)
+        self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
 
     @property
     @override
@@ -245,9 +260,21 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
         )
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._fsdp.adopt_precision(self.precision)
+
+    @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
         module = apply_dynamo(module, self._dynamo_plugin)
-        return self._fsdp.wrap(module, self.root_device, self.world_size, self.precision)
+        sharded = self._fsdp.wrap(module, self.root_device, self.world_size, self.precision)
+        self._sharded_modules.add(sharded)
+        return sharded
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._fsdp.refresh_float8_scales_after_steps(optimizer, self._sharded_modules)
+        return super().setup_optimizer(optimizer)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:

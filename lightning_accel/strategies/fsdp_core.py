@@ -8,6 +8,7 @@ CPU (gloo) as well as on GPUs.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
@@ -70,6 +71,30 @@ class FSDPFamily:
             return self._wrap_fsdp1(module, device, mixed_precision)
         return self._wrap_fsdp2(module, device, world_size, mixed_precision)
 
+    def adopt_precision(self, precision: Any) -> None:
+        """Tell an fp8 plugin, before it converts the model, which FSDP version will shard it.
+
+        Under FSDP2 torchao's float8 Linears then all-gather their weights in float8 (Accelerate's default,
+        ``AORecipeKwargs.enable_fsdp_float8_all_gather``); FSDP1 shards ordinary float8 Linears.
+        """
+        from lightning_accel.precision import FP8Precision
+
+        if isinstance(precision, FP8Precision):
+            precision.shard_with_fsdp(self.version)
+
+    def refresh_float8_scales_after_steps(self, optimizer: Optimizer, modules: Iterable[Module]) -> None:
+        """After each step of ``optimizer``, recompute the float8 scales of the sharded modules it trains.
+
+        Only modules whose weights are all-gathered in float8 (FSDP2 with fp8) have such scales; Accelerate registers
+        the same hook (torchao's ``precompute_float8_dynamic_scale_for_fsdp``) in ``prepare``.
+        """
+        from lightning_accel.precision.fp8 import float8_all_gather_modules
+
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for module in modules:
+            if float8_all_gather_modules(module) and any(id(p) in trained for p in module.parameters()):
+                optimizer.register_step_post_hook(functools.partial(_refresh_after_step, module))
+
     @contextmanager
     def no_sync(self, module: Module, enabled: bool = True) -> Generator[None, None, None]:
         """Skip gradient reduction for the backward passes inside the block (gradient accumulation)."""
@@ -131,6 +156,8 @@ class FSDPFamily:
             set_optimizer_state_dict,
         )
 
+        from lightning_accel.precision.fp8 import refresh_float8_scales
+
         live = {k: v for k, v in state.items() if isinstance(v, (Module, Optimizer))}
         if is_sharded_checkpoint(path):
             checkpoint = self._read_sharded(path, live, model)
@@ -151,6 +178,7 @@ class FSDPFamily:
                 continue
             if isinstance(value, Module):
                 set_model_state_dict(value, checkpoint.pop(key), options=options)
+                refresh_float8_scales(value)  # scales precomputed for the weights before the load are stale
             elif isinstance(value, Optimizer):
                 set_optimizer_state_dict(model, value, checkpoint.pop(key), options=options)
             else:
@@ -293,6 +321,12 @@ class FSDPFamily:
                 " FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...]) to their class names."
             )
         apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
+
+
+def _refresh_after_step(module: Module, *_: Any) -> None:
+    from lightning_accel.precision.fp8 import refresh_float8_scales
+
+    refresh_float8_scales(module)
 
 
 def _broadcast_module_states(module: Module) -> None:
