@@ -19,7 +19,8 @@ from lightning_accel.precision import (
     FP32Precision,
     precision_plugin,
 )
-from lightning_accel.utils import AutocastKwargs, PrecisionType
+from lightning_accel.strategies import AcceleratedFSDPStrategy, FabricAcceleratedFSDPStrategy
+from lightning_accel.utils import AutocastKwargs, FullyShardedDataParallelPlugin, PrecisionType
 from tests.helpers import load_rank_results, torchrun
 
 FLAGS = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
@@ -134,6 +135,66 @@ def test_bad_plugin_arguments_are_refused() -> None:
         BF16Precision(mode="half")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"`autocast_kwargs` must be an AutocastKwargs, got dict"):
         BF16Precision(autocast_kwargs={"enabled": False})  # type: ignore[arg-type]
+
+
+def fsdp_side(make: type, version: int, precision: str) -> tuple[Any, Any]:
+    """The strategy and precision plugin a Trainer or Fabric ends up with under acc_fsdp (nothing is launched)."""
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+    if make is L.Trainer:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=AcceleratedFSDPStrategy(plugin), precision=precision, **FLAGS
+        )
+        return trainer.strategy, trainer.strategy.precision_plugin
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricAcceleratedFSDPStrategy(plugin), precision=precision)
+    return fabric.strategy, fabric.strategy.precision
+
+
+@pytest.mark.parametrize("make", [L.Trainer, L.Fabric])
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize(
+    ("precision", "plugin", "mode", "fsdp_dtype"),
+    [
+        ("32-true", FP32Precision, "mixed", None),
+        ("bf16-mixed", BF16Precision, "mixed", torch.bfloat16),
+        ("bf16-true", BF16Precision, "true", None),
+        ("16-true", FP16Precision, "true", None),
+    ],
+)
+def test_acc_fsdp_adopts_lightning_strings(
+    make: type, version: int, precision: str, plugin: type, mode: str, fsdp_dtype: torch.dtype | None
+) -> None:
+    strategy, adopted = fsdp_side(make, version, precision)
+    assert type(adopted) is plugin and adopted.mode == mode and adopted.device == "cpu"
+    # Only autocast ("-mixed") sets FSDP's mixed-precision policy; "-true" casts the weights before sharding.
+    policy = strategy._fsdp._mixed_precision(adopted)
+    assert (None if policy is None else (policy.param_dtype, policy.reduce_dtype)) == (
+        None if fsdp_dtype is None else (fsdp_dtype, fsdp_dtype)
+    )
+
+
+@pytest.mark.parametrize("make", [L.Trainer, L.Fabric])
+def test_acc_fsdp_16_mixed_on_cpu_is_lightnings_bf16_and_the_fp16_plugin_is_refused(make: type) -> None:
+    # Lightning rewrites "16-mixed" on CPU to "bf16-mixed" (with a warning) before the strategy sees it.
+    with pytest.warns(UserWarning, match=r"AMP with fp16 is not supported on CPU. Using `precision='bf16-mixed'`"):
+        _, adopted = fsdp_side(make, 2, "16-mixed")
+    assert type(adopted) is BF16Precision
+    with pytest.raises(ValueError, match=r"fp16 mixed precision needs a GPU.*Use bf16 on CPU"):
+        make(accelerator="cpu", devices=2, strategy="acc_fsdp", plugins=[FP16Precision()])
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+@pytest.mark.parametrize("version", [1, 2])
+def test_acc_fsdp_16_mixed_on_a_gpu_is_fp16_autocast_with_an_fp16_policy(version: int) -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from lightning_accel.precision import from_lightning
+    from lightning_accel.strategies.fsdp_core import FSDPFamily
+
+    # What the strategy's precision property makes of Lightning's "16-mixed" plugin on a GPU (CUDA needs no GPU here).
+    adopted = from_lightning(MixedPrecision("16-mixed", "cuda"))
+    assert type(adopted) is FP16Precision and adopted.device == "cuda" and adopted.scaler is not None
+    policy = FSDPFamily(FullyShardedDataParallelPlugin(fsdp_version=version))._mixed_precision(adopted)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.float16)
 
 
 @pytest.fixture(scope="module")
