@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from lightning_accel.config import (
     AutocastKwargs,
@@ -31,7 +34,7 @@ from lightning_accel.state import GradientState
 from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.devices import backend_for_device
 
-__all__ = ["Launch", "build_fabric", "detect_launch", "split_handlers"]
+__all__ = ["Launch", "build_fabric", "describe_prepare_call", "detect_launch", "split_handlers"]
 
 # Which constructor argument of a strategy or precision plugin each kwargs handler feeds.
 _HANDLER_ARGUMENT: dict[type[KwargsHandler], str] = {
@@ -190,3 +193,30 @@ def build_fabric(
     )
     fabric.launch()
     return fabric
+
+
+def describe_prepare_call(strategy: Any, objects: Sequence[Any], split_batches: bool) -> None:
+    """Tell a strategy whose engine config depends on the ``prepare`` call (DeepSpeed) what the call holds.
+
+    Strategies answer through ``configure_from_prepare``; the others have nothing to configure. Only calls that set up
+    a model build an engine, so only they are described (Accelerate's ``prepare`` reads the same objects).
+    """
+    configure = getattr(strategy, "configure_from_prepare", None)
+    if configure is None or not any(isinstance(obj, Module) for obj in objects):
+        return
+    configure(
+        _batch_sizes([obj for obj in objects if isinstance(obj, DataLoader)]),
+        split_batches=split_batches,
+        torch_optimizer=any(isinstance(obj, Optimizer) for obj in objects),
+    )
+
+
+def _batch_sizes(loaders: Sequence[DataLoader]) -> list[int | None]:
+    """Each loader's ``batch_size``, else its batch sampler's (``None`` where neither is an int)."""
+    sizes: list[int | None] = []
+    for loader in loaders:
+        size = loader.batch_size
+        if size is None:
+            size = getattr(loader.batch_sampler, "batch_size", None)
+        sizes.append(size if isinstance(size, int) else None)
+    return sizes

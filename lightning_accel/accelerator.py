@@ -258,6 +258,8 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
         models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not isinstance(obj, _FabricModule)]
         optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
+        if models:  # an engine (DeepSpeed) fills its config from the whole call, as Accelerate's prepare does
+            _fabric.describe_prepare_call(self.fabric.strategy, objects, self.split_batches)
         # One model with its optimizers: the strategy sets them up together (DeepSpeed needs it).
         if len(models) == 1 and optimizers:
             move = placement[models[0]]
@@ -341,13 +343,18 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
     def accumulate(self, *models: Module) -> Generator[None, None, None]:
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
         self._do_sync()
-        if self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch):
+        if self.sync_gradients or self._syncs_each_batch():
             yield
             return
         with ExitStack() as stack:
             for model in models:
                 stack.enter_context(self.no_sync(model))
             yield
+
+    def _syncs_each_batch(self) -> bool:
+        """``sync_each_batch`` on several processes, unless skipping the sync is also the engine's step signal."""
+        marks_boundary = getattr(self.fabric.strategy._backward_sync_control, "marks_step_boundary", False)
+        return self.use_distributed and self.gradient_state.sync_each_batch and not marks_boundary
 
     @contextmanager
     def no_sync(self, model: Module) -> Generator[None, None, None]:

@@ -2,6 +2,7 @@
 
 Exact resume (bit-identical weights and learning rate), Accelerate 1.15's file names, the same content as HF
 accelerate's own ``save_fsdp_model``/``save_fsdp_optimizer`` write, loading in both directions, and ``save_model``.
+The same launch trains with Accelerate's DeepSpeed rules (default clipping, ``sync_each_batch``) against DDP.
 """
 
 from __future__ import annotations
@@ -170,6 +171,28 @@ class _ZeRO3Engine(torch.nn.Module):
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return False
+
+
+@pytest.mark.parametrize("variant", ["zero2", "zero1_each_batch", "zero2_each_batch"])
+def test_deepspeed_clips_at_accelerates_default_and_accumulates_with_sync_each_batch(
+    run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
+) -> None:
+    rules = run[1]["deepspeed_rules"][0]
+    reference, unclipped = rules["ddp_clip"]["final"], rules["ddp_unclipped"]["final"]
+    assert any((reference[k] - unclipped[k]).abs().max() > 1e-3 for k in KEYS)  # the gradients were clipped
+    for key in KEYS:
+        torch.testing.assert_close(rules[variant]["final"][key], reference[key], rtol=0, atol=1e-5, msg=key)
+
+
+def test_deepspeed_engine_gets_accelerates_config(run: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
+    from tests.test_accelerator_deepspeed import hf_prepared_config
+
+    expected = hf_prepared_config(
+        {"zero_stage": 2}, mixed_precision="no", accumulation=2, batch_sizes=(2,), world_size=2
+    )
+    assert expected["gradient_clipping"] == 1.0 and expected["train_batch_size"] == 8
+    for rank in run[1]["deepspeed_rules"]:
+        assert rank["zero2"]["config"] == expected
 
 
 def test_engine_is_chosen_by_the_strategy_class() -> None:

@@ -11,7 +11,7 @@ under the Trainer give the numbers of ``ddp`` with gradient accumulation too (se
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -50,6 +50,7 @@ from lightning_accel.strategies.deepspeed_core import (
     estimated_total_steps,
 )
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
+from lightning_accel.strategies.deepspeed_prepare import PrepareFacts, resolve_prepare_config
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
 
@@ -304,7 +305,8 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no clipping setting
     and no DataLoader at setup, so the config's ``"auto"`` entries for them become ``0`` and ``1`` (the micro-batch
     size only feeds DeepSpeed's throughput report); ``"auto"`` accumulation becomes ``gradient_accumulation_steps``
-    (default ``1``). Accumulation follows DeepSpeed's own rules: call ``fabric.backward(loss)`` and
+    (default ``1``). ``lightning_accel.Accelerator`` replaces these rules by Accelerate's
+    (:meth:`configure_from_prepare`). Accumulation follows DeepSpeed's own rules: call ``fabric.backward(loss)`` and
     ``optimizer.step()`` for every micro-batch; the engine divides the loss by ``gradient_accumulation_steps`` and
     updates the weights on every ``gradient_accumulation_steps``-th call. Alternatively, as ``lightning_accel``'s
     ``Accelerator`` does, run the accumulating micro-batches inside ``fabric.no_backward_sync(model)``: they are then
@@ -399,14 +401,43 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         )
         self.config = self._family.resolve(facts)
 
+    def configure_from_prepare(
+        self, batch_sizes: Sequence[int | None], *, split_batches: bool, torch_optimizer: bool
+    ) -> None:
+        """Fill the config's "auto" entries by Accelerate's rules, for the engine ``Accelerator.prepare`` builds.
+
+        ``lightning_accel.Accelerator`` calls it before it sets up a model (see
+        :mod:`~lightning_accel.strategies.deepspeed_prepare`); plain Fabric keeps the rules of :meth:`_format_config`.
+
+        Args:
+            batch_sizes: Batch sizes of the data loaders in the same call (``None`` where unknown).
+            split_batches: Whether those batches are split over the processes.
+            torch_optimizer: Whether the call holds a torch optimizer.
+
+        """
+        facts = PrepareFacts(
+            world_size=self.world_size,
+            device_type=self.root_device.type,
+            accumulation=self._accumulation or 1,
+            precision=facts_precision(self.precision),
+            batch_sizes=tuple(batch_sizes),
+            split_batches=split_batches,
+            torch_optimizer=torch_optimizer,
+        )
+        plugin = self._family.plugin
+        self._family.config = resolve_prepare_config(
+            plugin.deepspeed_config, facts, is_train_batch_min=plugin.is_train_batch_min
+        )
+        self.config = self._family.config
+
     @override
     def _initialize_engine(
         self, model: Module, optimizer: Optimizer | None = None, scheduler: Any = None
     ) -> tuple[Any, Any, Any]:
         declared_optimizer = "optimizer" in self._family.config
-        config = self._family.engine_config(model, optimizer, None)
+        self.config = self._family.engine_config(model, optimizer, None)  # what the engine is built with
         return self._family.initialize(
-            model, None if declared_optimizer else optimizer, self.local_rank, config, lr_scheduler=scheduler
+            model, None if declared_optimizer else optimizer, self.local_rank, self.config, lr_scheduler=scheduler
         )
 
     @override
@@ -438,6 +469,10 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
 
 class _AccumulationBoundary(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)`` under DeepSpeed: the backward passes inside accumulate (no boundary)."""
+
+    # The context is DeepSpeed's step signal, not only a communication saving: every accumulating micro-batch must
+    # run inside it, also with GradientAccumulationPlugin(sync_each_batch=True) (Accelerate sets the boundary too).
+    marks_step_boundary = True
 
     def __init__(self, family: DeepSpeedFamily) -> None:
         self._family = family

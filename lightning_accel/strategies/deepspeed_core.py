@@ -3,8 +3,9 @@
 Two steps turn a :class:`~lightning_accel.config.DeepSpeedPlugin` into the dictionary ``deepspeed.initialize`` gets:
 
 1. :func:`resolve_config` reconciles what the config and the training loop both state (micro-batch size,
-   accumulation, clipping, precision). It is the only place that does: "auto" takes the loop's value, a real conflict
-   is a ``ValueError`` naming both values.
+   accumulation, clipping, precision): "auto" takes the loop's value, a real conflict is a ``ValueError`` naming both
+   values. ``lightning_accel.Accelerator`` fills the same entries by Accelerate's rules instead
+   (:func:`~lightning_accel.strategies.deepspeed_prepare.resolve_prepare_config`).
 2. :func:`fill_engine_autos` fills the entries only the model and optimizer can answer (optimizer and scheduler
    hyperparameters, hidden-size-based bucket sizes) and refuses any "auto" left.
 
@@ -133,14 +134,22 @@ def resolve_config(config: Mapping[str, Any], facts: TrainingFacts) -> dict[str,
     resolved["train_micro_batch_size_per_gpu"] = micro
     resolved["train_batch_size"] = expected_total
     resolved["gradient_clipping"] = _reconcile_clipping(resolved.get("gradient_clipping", "auto"), facts)
-    _resolve_precision(resolved, facts.precision)
+    resolve_precision(resolved, facts.precision)
     resolved.setdefault("zero_allow_untested_optimizer", True)
-    zero = resolved.setdefault("zero_optimization", {})
-    offload = zero.get("offload_optimizer") or {}
-    if facts.device_type == "cpu" and offload.get("device", "none") not in ("none", None):
-        # On CPU devices the "offloaded" optimizer runs where it ran anyway, so a torch optimizer is not slower.
-        resolved.setdefault("zero_force_ds_cpu_optimizer", False)
+    resolved.setdefault("zero_optimization", {})
+    keep_torch_optimizer_on_cpu(resolved, facts.device_type)
     return resolved
+
+
+def keep_torch_optimizer_on_cpu(config: dict[str, Any], device_type: str) -> None:
+    """With optimizer offload on CPU devices, keep the torch optimizer (``zero_force_ds_cpu_optimizer: false``).
+
+    The "offloaded" optimizer runs where it ran anyway, so a torch optimizer is not slower, and DeepSpeed's CPU Adam
+    would need a C++ toolchain to build.
+    """
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if device_type == "cpu" and offload.get("device", "none") not in ("none", None):
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
 
 
 def _reconcile_accumulation(configured: Any, from_loop: int | None) -> int:
@@ -193,7 +202,8 @@ def _reconcile_clipping(configured: Any, facts: TrainingFacts) -> float:
     )
 
 
-def _resolve_precision(config: dict[str, Any], precision: str) -> None:
+def resolve_precision(config: dict[str, Any], precision: str) -> None:
+    """Enable the ``fp16``/``bf16`` section of ``precision`` (added if missing), fill ``"auto"``, refuse conflicts."""
     wanted = {"fp16": precision in ("16-mixed", "16-true"), "bf16": precision in ("bf16-mixed", "bf16-true", "fp8")}
     for section, enabled in wanted.items():
         key = "bfloat16" if section == "bf16" and "bfloat16" in config else section

@@ -8,6 +8,10 @@ B loads it back through HF's ``load_fsdp_model`` first (HF reads ours) and then 
 whose model and optimizer files are HF's (we read HF's). Each rank writes ``{variant}_rank{r}.pt`` for
 ``tests/test_accelerator_sharded_ckpt.py``, which also reads the folders under ``--out/{variant}``: ``checkpoint``,
 ``hf`` (HF's files), ``ours_with_hf_files`` and ``model`` (``save_model``).
+
+A last phase checks Accelerate's DeepSpeed rules against DDP (``deepspeed_rules_rank{r}.pt``): with large gradients,
+``DeepSpeedPlugin()``'s ``"auto"`` clipping is Accelerate's 1.0 (DDP clips with ``clip_grad_norm_(..., 1.0)``), also
+with ``GradientAccumulationPlugin(sync_each_batch=True)``, and the engine's config is recorded.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import Accelerator
 from lightning_accel.state import reset_state
-from lightning_accel.utils import DataLoaderConfiguration, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from lightning_accel.utils import (
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+)
 
 MICRO_BATCHES = 8
 SAVE_AFTER = 4
@@ -34,14 +43,21 @@ def _fsdp(version: int, state_dict_type: str) -> dict[str, Any]:
     return {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=version, state_dict_type=state_dict_type)}
 
 
+def _zero(stage: int, **fields: Any) -> dict[str, Any]:
+    """ZeRO without clipping, as DDP here: only an explicit 0 in the config turns off DeepSpeed's default of 1.0."""
+    plugin = DeepSpeedPlugin(zero_stage=stage, **fields)
+    plugin.deepspeed_config["gradient_clipping"] = 0.0
+    return {"deepspeed_plugin": plugin}
+
+
 VARIANTS: dict[str, Any] = {
     "ddp": dict,  # the reference: every engine must train to its weights
     "fsdp2_sharded": lambda: _fsdp(2, "SHARDED_STATE_DICT"),
     "fsdp2_full": lambda: _fsdp(2, "FULL_STATE_DICT"),
     "fsdp1_sharded": lambda: _fsdp(1, "SHARDED_STATE_DICT"),
     "fsdp1_full": lambda: _fsdp(1, "FULL_STATE_DICT"),
-    "zero2": lambda: {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=2)},
-    "zero3": lambda: {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=3, zero3_save_16bit_model=True)},
+    "zero2": lambda: _zero(2),
+    "zero3": lambda: _zero(3, zero3_save_16bit_model=True),
 }
 # HF accelerate's FSDP1 full-state-dict functions gather with CPU offload, which crashes when training on CPU; its
 # FSDP1 sharded optimizer loading fails on a fresh optimizer (on its own checkpoints too).
@@ -166,6 +182,40 @@ def run_b(variant: str, out: Path) -> dict[str, Any]:
     return result
 
 
+RULES: dict[str, Any] = {  # ZeRO stage (None: DDP), sync_each_batch, clip_grad_norm_ (DDP only)
+    "ddp_clip": (None, False, True),  # the reference
+    "ddp_unclipped": (None, False, False),  # shows that clipping changes the weights
+    "zero2": (2, False, False),
+    "zero1_each_batch": (1, True, False),
+    "zero2_each_batch": (2, True, False),
+}
+
+
+def rules_run(stage: int | None, each_batch: bool, clip: bool) -> dict[str, Any]:
+    """8 micro-batches of large gradients, accumulation 2; DeepSpeed clips by its config, DDP by clip_grad_norm_."""
+    reset_state()
+    accelerator = Accelerator(
+        cpu=True,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=each_batch),
+        **({} if stage is None else {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=stage)}),
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 4, generator=g) * 10, torch.randn(32, 1, generator=g) * 100)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=2))
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            if clip and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    config = dict(accelerator.fabric.strategy.config) if stage is not None else None
+    return {"final": weights(accelerator, model), "config": config}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -175,6 +225,8 @@ def main() -> None:
         result = {"a": run_a(variant, args.out), "b": run_b(variant, args.out)}
         rank = torch.distributed.get_rank()
         torch.save(result, args.out / f"{variant}_rank{rank}.pt")
+    rules = {name: rules_run(*setting) for name, setting in RULES.items()}
+    torch.save(rules, args.out / f"deepspeed_rules_rank{torch.distributed.get_rank()}.pt")
     Accelerator(cpu=True).end_training()
 
 
