@@ -2,8 +2,10 @@
 
 A checkpoint folder holds ``model.safetensors`` (``model_1.safetensors``, ... or ``pytorch_model.bin`` without safe
 serialization), ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt`` (fp16 with a gradient scaler),
-``random_states_{rank}.pkl`` (one per process) and ``custom_checkpoint_{i}.pkl`` (registered objects). Model weights
-are the user's module's state dict (no DDP ``module.`` prefix), as Accelerate writes them.
+``random_states_{rank}.pkl`` (one per process), ``custom_checkpoint_{i}.pkl`` (registered objects) and, with
+``use_stateful_dataloader``, ``dl_state_dict.bin`` (``dl_state_dict_{i}.bin``; see
+:mod:`lightning_accel._loader_checkpoint`). Model weights are the user's module's state dict (no DDP ``module.``
+prefix), as Accelerate writes them.
 
 Differences from Accelerate (its bugs, fixed):
 
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from lightning_accel._loader_checkpoint import loader_positions, restore_loaders, save_loader_states
 from lightning_accel._sharded_checkpoint import EngineCheckpoint, engine_checkpoint
 from lightning_accel.utils.constants import (
     MODEL_NAME,
@@ -60,9 +63,6 @@ __all__ = ["checkpoint_folders", "load_state", "save_model", "save_state", "shar
 _CHECKPOINT_FOLDER = re.compile(r"^checkpoint_(\d+)$")
 _CUSTOM_FILE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 _WRAPPER_PREFIX = "module."
-# Our addition to `random_states_{rank}.pkl` (Accelerate ignores unknown keys): the epoch each prepared loader is at.
-_LOADER_EPOCHS = "dataloader_iterations"
-_LOADER_POSITIONS = "dataloader_positions"  # batches of that epoch already consumed
 
 
 def _indexed(name: str, index: int) -> str:
@@ -151,12 +151,7 @@ def save_state(
         _save_shared(accelerator, target, safe_serialization, engine is None)
     accelerator.wait_for_everyone()
     target.mkdir(parents=True, exist_ok=True)
-    loaders = accelerator._dataloaders
-    states = {
-        **_rng_states(accelerator.step),
-        _LOADER_EPOCHS: [dl.iteration for dl in loaders],
-        _LOADER_POSITIONS: [dl.position for dl in loaders],
-    }
+    states = {**_rng_states(accelerator.step), **loader_positions(accelerator._dataloaders)}
     torch.save(states, target / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
     accelerator.wait_for_everyone()
     if accelerator.project_configuration.automatic_checkpoint_naming and accelerator.is_main_process:
@@ -207,6 +202,7 @@ def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: boo
     scaler = getattr(accelerator.fabric.strategy.precision, "scaler", None)
     if scaler is not None:
         torch.save(scaler.state_dict(), target / SCALER_NAME)
+    save_loader_states(accelerator._dataloaders, target)
     for i, obj in enumerate(accelerator._custom_objects):
         torch.save(obj.state_dict(), target / f"custom_checkpoint_{i}.pkl")
 
@@ -321,7 +317,7 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(_read(source / _indexed(f"{SCHEDULER_NAME}.bin", i), _torch_load))
     _load_custom_objects(accelerator._custom_objects, source)
-    _load_rng(accelerator, source)
+    _load_rng_and_loaders(accelerator, source)
     _restore_save_counter(accelerator, source)
     return str(source)
 
@@ -363,22 +359,16 @@ def _load_custom_objects(objects: list[Any], source: Path) -> None:
         obj.load_state_dict(_read(path, lambda p: torch.load(p, map_location="cpu", weights_only=False)))
 
 
-def _load_rng(accelerator: Accelerator, source: Path) -> None:
+def _load_rng_and_loaders(accelerator: Accelerator, source: Path) -> None:
     path = source / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl"
-    if not path.is_file():
+    states = _read(path, _rng_load) if path.is_file() else None
+    restore_loaders(accelerator._dataloaders, source, states, lambda p: _read(p, _torch_load))
+    if states is None:
         warnings.warn(
             f"{path} is missing: random states not restored (was the run saved by fewer processes?).", stacklevel=3
         )
         return
-    states = _read(path, _rng_load)
     accelerator.step = int(states.get("step", 0))
-    loaders = accelerator._dataloaders
-    epochs = states.get(_LOADER_EPOCHS)
-    positions = states.get(_LOADER_POSITIONS) or [0] * len(loaders)
-    if epochs is not None and len(epochs) == len(positions) == len(loaders):
-        for loader, epoch, position in zip(loaders, epochs, positions, strict=True):
-            loader.iteration = int(epoch)
-            loader.resume_position = int(position)
     random.setstate(states["random_state"])
     np.random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])

@@ -90,3 +90,29 @@ def test_hf_accelerate_loads_our_checkpoint(results: Results) -> None:
         assert loaded["counter"] == 2
         for key, value in loaded["weights"].items():
             torch.testing.assert_close(value, ours["weights"][key], rtol=0, atol=0, msg=key)
+
+
+def _assert_same_weights(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == reference.keys()
+    for key, value in ours.items():
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=key)
+
+
+def test_stateful_loaders_are_saved_under_accelerates_names(results: Results) -> None:
+    for record in results["stateful"]:
+        ours, hf = record["ours"], record["hf"]
+        assert ours["epoch0"]["files"] == hf["epoch0"]["files"]
+        assert {"dl_state_dict.bin", "dl_state_dict_1.bin"} <= set(ours["epoch0"]["files"])
+
+
+def test_stateful_mid_epoch_resume_continues_the_uninterrupted_run(results: Results) -> None:
+    for record in results["stateful"]:
+        ours, hf = record["ours"], record["hf"]
+        assert ours["full"] == hf["full"]
+        for label in ("epoch0", "epoch1", "from_hf"):
+            resumed = ours[label]
+            stop = len(ours["full"]) - len(resumed["rest"])
+            assert stop == (ours["per_epoch"] + 2 if label == "epoch1" else 3)
+            assert resumed["rest"] == ours["full"][stop:], label  # no batch skipped twice, none repeated
+            _assert_same_weights(resumed["weights"], ours["weights"])
+        assert hf["epoch0"]["rest"] == ours["epoch0"]["rest"]  # HF accelerate resumes epoch 0 the same way

@@ -4,7 +4,9 @@ Launched once, with plain ``python`` (1 process) or under ``torch.distributed.ru
 trains with the seedable sampler, gradient accumulation 2, SGD + StepLR, evaluates with ``gather_for_metrics`` and
 saves automatically named checkpoints with ``total_limit=2``. Each rank then writes ``{variant}_rank{r}.pt`` for
 ``tests/test_accelerator_parity.py``. A last phase resumes lightning_accel from HF accelerate's checkpoint and from its
-own, and HF accelerate loads lightning_accel's.
+own, and HF accelerate loads lightning_accel's. The ``stateful`` phase saves mid-epoch with
+``use_stateful_dataloader=True`` (two loaders), resumes in a fresh ``Accelerator`` and records the batches and weights
+against an uninterrupted run, for both frameworks (lightning_accel also mid-epoch 1 and from HF's checkpoint).
 """
 
 from __future__ import annotations
@@ -130,6 +132,83 @@ def hf_loads_ours(checkpoint: Path, project_dir: Path) -> dict[str, Any]:
     return {"lr": scheduler.get_last_lr(), "counter": counter.value, "weights": weights}
 
 
+def indexed(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(torch.arange(n), x, x.sum(1, keepdim=True))
+
+
+def stateful_build(accelerate: Any) -> tuple[Any, ...]:
+    config = accelerate.utils.DataLoaderConfiguration(
+        use_stateful_dataloader=True, use_seedable_sampler=True, data_seed=DATA_SEED
+    )
+    accelerator = accelerate.Accelerator(cpu=True, dataloader_config=config)
+    torch.manual_seed(7)
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train_dl = DataLoader(indexed(20, 1), batch_size=2, shuffle=True)
+    eval_dl = DataLoader(indexed(6, 2), batch_size=3)  # a second stateful loader: dl_state_dict_1.bin
+    model, optimizer, train_dl, _ = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    return accelerator, model, optimizer, train_dl
+
+
+def stateful_steps(accelerator: Any, model: Any, optimizer: Any, loader: Any, limit: int) -> list[list[int]]:
+    """Train on up to ``limit`` batches (over at most ``EPOCHS`` passes); returns each batch's sample indices."""
+    seen: list[list[int]] = []
+    for _ in range(EPOCHS):
+        for index, x, y in loader:
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(index.tolist())
+            if len(seen) == limit:
+                return seen
+    return seen
+
+
+def stateful_weights(accelerator: Any, model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+
+def stateful_resume(accelerate: Any, checkpoint: Path, stop: int, total: int, save: bool = True) -> dict[str, Any]:
+    """Train ``stop`` batches and save (or take ``checkpoint`` as saved after them), then resume in a fresh run."""
+    before, files = [], None
+    if save:
+        reset_accelerator_states()
+        accelerator, model, optimizer, loader = stateful_build(accelerate)
+        before = stateful_steps(accelerator, model, optimizer, loader, stop)
+        accelerator.save_state(str(checkpoint))
+        accelerator.wait_for_everyone()  # HF accelerate returns before the other processes wrote their files
+        files = sorted(os.listdir(checkpoint))
+    reset_accelerator_states()
+    accelerator, model, optimizer, loader = stateful_build(accelerate)
+    accelerator.load_state(str(checkpoint))
+    rest = stateful_steps(accelerator, model, optimizer, loader, total - stop)
+    return {"files": files, "before": before, "rest": rest, "weights": stateful_weights(accelerator, model)}
+
+
+def stateful(out: Path) -> dict[str, Any]:
+    """Mid-epoch save and resume with stateful loaders, under both frameworks (see the module docstring)."""
+    import accelerate
+
+    import lightning_accel
+
+    result: dict[str, Any] = {}
+    for name, module in (("hf", accelerate), ("ours", lightning_accel)):
+        reset_accelerator_states()
+        accelerator, model, optimizer, loader = stateful_build(module)
+        per_epoch = len(loader)
+        full = stateful_steps(accelerator, model, optimizer, loader, EPOCHS * per_epoch)
+        result[name] = {"full": full, "weights": stateful_weights(accelerator, model), "per_epoch": per_epoch}
+        stops = {"epoch0": 3} if name == "hf" else {"epoch0": 3, "epoch1": per_epoch + 2}
+        for label, stop in stops.items():
+            result[name][label] = stateful_resume(module, out / f"stateful_{name}_{label}", stop, len(full))
+    # lightning_accel continues HF accelerate's mid-epoch-0 checkpoint (3 batches in).
+    checkpoint = out / "stateful_hf_epoch0"
+    result["ours"]["from_hf"] = stateful_resume(lightning_accel, checkpoint, 3, len(full), save=False)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -148,6 +227,7 @@ def main() -> None:
     results["resume"] = resume(out / "hf" / "checkpoints" / results["hf"]["folders"][-1], out / "ours")
     reset_accelerator_states()
     results["hf_loads_ours"] = hf_loads_ours(out / "ours" / "checkpoints" / "checkpoint_2", out / "hf_resume")
+    results["stateful"] = stateful(out)
     for name, result in results.items():
         torch.save(result, out / f"{name}_rank{rank}.pt")
     if torch.distributed.is_initialized():
