@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -15,12 +16,15 @@ from tests.helpers import clean_env, free_port
 
 
 @pytest.fixture(autouse=True)
-def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key, value in clean_env().items():
-        monkeypatch.setenv(key, value)
+def _fresh_state() -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(clean_env())
     reset_state()
     yield
     reset_state()
+    os.environ.clear()  # DeepSpeed's setup leaves RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK behind
+    os.environ.update(saved)
 
 
 def _gradient(mixed_precision: str, plain: bool) -> torch.Tensor:

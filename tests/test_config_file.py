@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from lightning_accel.config import AccelerateConfig, load_config, write_basic_config
 from lightning_accel.config._settings import PLUGIN_BY_TYPE
 from lightning_accel.enums import DistributedType, DynamoBackend, PrecisionType
+from lightning_accel.precision import FP8Precision
 from lightning_accel.strategies import (
     AcceleratedDDPStrategy,
     AcceleratedFSDPStrategy,
@@ -281,13 +283,18 @@ def test_trainer_kwargs_refuse_what_has_no_implementation_yet(name: str, match: 
 
 
 def test_fp8_file_builds_the_fp8_plugin_of_its_backend(tmp_path: Path) -> None:
-    # Neither torchao nor Transformer Engine is installed in CI: building the plugin names the missing package.
+    # Transformer Engine is not installed in CI: building its plugin names the missing package.
     with pytest.raises(ModuleNotFoundError, match=r"backend='te' needs the `transformer_engine` package"):
         load_config(FIXTURES / "fp8_te.yaml").trainer_kwargs()
     ao = tmp_path / "fp8_ao.yaml"
     ao.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\nfp8_config:\n  backend: AO\n")
-    with pytest.raises(ModuleNotFoundError, match=r"backend='ao' needs the `torchao` package"):
-        load_config(ao).trainer_kwargs()
+    if importlib.util.find_spec("torchao") is None:
+        with pytest.raises(ModuleNotFoundError, match=r"backend='ao' needs the `torchao` package"):
+            load_config(ao).trainer_kwargs()
+    else:  # torchao is in the test extra
+        (plugin,) = load_config(ao).trainer_kwargs()["plugins"]
+        assert isinstance(plugin, FP8Precision)
+        assert plugin.backend == "ao"
     msamp = tmp_path / "fp8_msamp.yaml"
     msamp.write_text(
         "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\nfp8_config:\n  backend: MSAMP\n"
