@@ -31,6 +31,7 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accel.precision.fp8 import refresh_float8_scales
 from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, MODEL_NAME, OPTIMIZER_NAME
 
@@ -166,6 +167,7 @@ class FSDPCheckpoint(EngineCheckpoint):
         for module, paths in zip(modules, model_paths, strict=True):
             state, options = _read(*paths, "model", partial(_model_shards, module))
             set_model_state_dict(module, state, options=options)
+            refresh_float8_scales(module)  # scales precomputed for the weights before the load are stale
         for optimizer, paths in zip(optimizers, optimizer_paths, strict=True):
             raw = _torch_optimizer(optimizer)
             module = _owner(modules, raw)
