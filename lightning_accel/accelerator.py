@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_accel import _fabric, checkpointing
+from lightning_accel import _engine_step, _fabric, checkpointing
 from lightning_accel._loader_control import DataLoaderControl
 from lightning_accel._module import AcceleratedModule, plain_optimizer_step
 from lightning_accel._process import ProcessControl
@@ -280,7 +280,8 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
 
     def _register_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
         strategy = self.fabric.strategy
-        wrapped = AcceleratedOptimizer(optimizer, strategy.precision, plain_step=plain_optimizer_step(strategy))
+        engine, plain = _engine_step.engine_steps_in_backward(strategy), plain_optimizer_step(strategy)
+        wrapped = AcceleratedOptimizer(optimizer, strategy.precision, plain_step=plain, engine_steps=engine)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -320,7 +321,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backpropagate ``loss`` divided by the accumulation steps, through the strategy and precision plugin.
 
-        Engines that accumulate themselves (DeepSpeed) get the loss undivided, as in Accelerate.
+        Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
         """
         steps = self.gradient_state.num_steps
         if steps != 1 and not isinstance(self.fabric.strategy, DeepSpeedStrategy):
@@ -330,6 +331,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
             return
         model = self._models[0] if len(self._models) == 1 else None
         self.fabric.backward(loss, model=model, **kwargs)
+        _engine_step.step_after_backward(self.fabric.strategy, self._optimizers, self.sync_gradients)
 
     def _do_sync(self) -> None:
         if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
@@ -381,8 +383,14 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
         owners = [m for m in self._models if ids <= {id(p) for p in m.parameters()}]
         return params, (owners[0] if owners and self._optimizers else None)
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
-        """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm."""
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | float | None:
+        """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm.
+
+        Under DeepSpeed, as in Accelerate: the engine clipped in ``backward`` by its config (``max_norm`` is ignored);
+        returns its last step's norm (a float; ``None`` before the first step).
+        """
+        if _engine_step.engine_steps_in_backward(self.fabric.strategy):
+            return _engine_step.global_grad_norm(self.fabric.strategy, max_norm)
         params, owner = self._owner(parameters)
         if owner is not None and len(params) == len(list(owner.parameters())):
             optimizer = self._optimizers[0].optimizer

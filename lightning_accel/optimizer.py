@@ -18,19 +18,25 @@ class AcceleratedOptimizer(Optimizer):
 
     ``step`` and ``zero_grad`` do nothing on micro-steps that accumulate (``GradientState.sync_gradients`` false).
     ``step`` goes through the strategy and precision plugin (gradient scaling, DeepSpeed's engine).
-    ``state``, ``param_groups`` and ``defaults`` are the wrapped optimizer's.
+    ``state``, ``param_groups`` and ``defaults`` are the wrapped optimizer's. Where the engine steps inside
+    ``Accelerator.backward`` (DeepSpeed, as in Accelerate), ``step`` and ``zero_grad`` do nothing and the
+    ``Accelerator`` calls :meth:`record_engine_step` after the engine's step.
 
     Args:
         optimizer: The optimizer Fabric returned from ``setup_optimizers`` (or a plain one).
         precision: The precision plugin, asked whether the last step was skipped (fp16 overflow).
         plain_step: The strategy and precision plugin add nothing to the step (see
             :func:`lightning_accel._module.plain_optimizer_step`): step the user's optimizer directly.
+        engine_steps: The engine steps inside ``Accelerator.backward`` (DeepSpeed): ``step``/``zero_grad`` are no-ops.
 
     """
 
-    def __init__(self, optimizer: Optimizer, precision: Any = None, plain_step: bool = False) -> None:
+    def __init__(
+        self, optimizer: Optimizer, precision: Any = None, plain_step: bool = False, engine_steps: bool = False
+    ) -> None:
         self.optimizer = optimizer
         self.precision = precision
+        self.engine_steps = engine_steps
         self._stepper: Optimizer = getattr(optimizer, "optimizer", optimizer) if plain_step else optimizer
         self.gradient_state = GradientState()
         self._step_was_skipped = False
@@ -56,15 +62,25 @@ class AcceleratedOptimizer(Optimizer):
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients, unless this micro-step accumulates."""
-        if self.gradient_state.sync_gradients:
+        """Clear the gradients, unless this micro-step accumulates (or the engine clears them in its step)."""
+        if self.gradient_state.sync_gradients and not self.engine_steps:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @override
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step the wrapped optimizer, unless this micro-step accumulates."""
-        if not self.gradient_state.sync_gradients:
+        """Step the wrapped optimizer, unless this micro-step accumulates (or the engine stepped in ``backward``)."""
+        if not self.gradient_state.sync_gradients or self.engine_steps:
             return None
+        return self._step(closure)
+
+    def record_engine_step(self) -> None:
+        """Note the step the engine took in ``Accelerator.backward``: whether it skipped it (fp16 overflow).
+
+        DeepSpeed's optimizers report the overflow as ``overflow``, which Accelerate's wrapper reads too.
+        """
+        self._step_was_skipped = bool(getattr(self.optimizer, "overflow", False))
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         result = self._stepper.step(closure) if closure is not None else self._stepper.step()
         self._step_was_skipped = bool(getattr(self.precision, "step_was_skipped", False))
         return result

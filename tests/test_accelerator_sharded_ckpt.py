@@ -173,7 +173,7 @@ class _ZeRO3Engine(torch.nn.Module):
         return False
 
 
-@pytest.mark.parametrize("variant", ["zero2", "zero1_each_batch", "zero2_each_batch"])
+@pytest.mark.parametrize("variant", ["zero2", "zero2_no_clip_call", "zero1_each_batch", "zero2_each_batch"])
 def test_deepspeed_clips_at_accelerates_default_and_accumulates_with_sync_each_batch(
     run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
 ) -> None:
@@ -182,6 +182,20 @@ def test_deepspeed_clips_at_accelerates_default_and_accumulates_with_sync_each_b
     assert any((reference[k] - unclipped[k]).abs().max() > 1e-3 for k in KEYS)  # the gradients were clipped
     for key in KEYS:
         torch.testing.assert_close(rules[variant]["final"][key], reference[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("variant", ["zero2", "zero2_each_batch"])
+def test_deepspeed_clip_grad_norm_returns_the_engines_global_norm(
+    run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
+) -> None:
+    """As Accelerate: the engine stepped (and clipped) in ``backward``; ``clip_grad_norm_`` returns its norm."""
+    for rank, rules in enumerate(run[1]["deepspeed_rules"]):
+        reference, norms = rules["ddp_clip"]["norms"], rules[variant]["norms"]
+        assert len(norms) == len(reference) == 4, rank  # 8 micro-batches per process, accumulation 2
+        assert all(isinstance(n, float) for n in norms), rank  # a float, as HF accelerate's wrapper returns
+        assert min(reference) > 1.0  # large gradients: every step clipped
+        torch.testing.assert_close(norms, reference, rtol=1e-6, atol=0, msg=f"rank {rank}")
+        assert not any(rules[variant]["skipped"]), rank
 
 
 def test_deepspeed_engine_gets_accelerates_config(run: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
@@ -256,3 +270,39 @@ def test_deepspeed_accumulation_must_match_the_loop() -> None:
     assert _loop_accumulation({"gradient_accumulation_steps": 4}, None) is None  # plain Fabric: the config decides
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4, but the training loop accumulates 1"):
         _loop_accumulation({"gradient_accumulation_steps": 4}, 1)
+
+
+def test_deepspeed_clip_grad_norm_reads_the_engine_and_warns_that_max_norm_is_ignored() -> None:
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning_accel._engine_step import global_grad_norm
+
+    engine = SimpleNamespace(gradient_clipping=lambda: 1.0, get_global_grad_norm=lambda: torch.tensor(3.5))
+    strategy: Any = SimpleNamespace(_deepspeed_engine=engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert global_grad_norm(strategy, 1.0) == 3.5  # max_norm is the config's: nothing to say
+    with pytest.warns(UserWarning, match=r"gradient_clipping \(1.0\); clip_grad_norm_'s max_norm=0.25 is ignored"):
+        assert global_grad_norm(strategy, 0.25) == 3.5
+    assert global_grad_norm(SimpleNamespace(_deepspeed_engine=None), 1.0) is None  # type: ignore[arg-type]
+
+
+def test_engine_stepped_optimizer_ignores_step_and_reports_the_overflow() -> None:
+    from types import SimpleNamespace
+
+    from lightning_accel.optimizer import AcceleratedOptimizer
+    from lightning_accel.state import reset_state
+
+    reset_state()
+    calls: list[str] = []
+    inner: Any = SimpleNamespace(
+        step=lambda: calls.append("step"), zero_grad=lambda set_to_none: calls.append("zero"), overflow=True
+    )
+    optimizer = AcceleratedOptimizer(inner, engine_steps=True)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert calls == [] and not optimizer.step_was_skipped  # the engine stepped in Accelerator.backward
+    optimizer.record_engine_step()
+    assert optimizer.step_was_skipped  # DeepSpeed's fp16 overflow, as Accelerate's wrapper reads it
+    reset_state()

@@ -11,7 +11,9 @@ whose model and optimizer files are HF's (we read HF's). Each rank writes ``{var
 
 A last phase checks Accelerate's DeepSpeed rules against DDP (``deepspeed_rules_rank{r}.pt``): with large gradients,
 ``DeepSpeedPlugin()``'s ``"auto"`` clipping is Accelerate's 1.0 (DDP clips with ``clip_grad_norm_(..., 1.0)``), also
-with ``GradientAccumulationPlugin(sync_each_batch=True)``, and the engine's config is recorded.
+with ``GradientAccumulationPlugin(sync_each_batch=True)``, and the engine's config is recorded. Where the run calls
+``clip_grad_norm_`` at each sync step, the values it returns are recorded: under DeepSpeed, the engine's global norm
+of the step it took in ``backward`` (Accelerate's behaviour), to compare with DDP's.
 """
 
 from __future__ import annotations
@@ -182,12 +184,13 @@ def run_b(variant: str, out: Path) -> dict[str, Any]:
     return result
 
 
-RULES: dict[str, Any] = {  # ZeRO stage (None: DDP), sync_each_batch, clip_grad_norm_ (DDP only)
+RULES: dict[str, Any] = {  # ZeRO stage (None: DDP), sync_each_batch, call clip_grad_norm_ (DeepSpeed: the norm)
     "ddp_clip": (None, False, True),  # the reference
     "ddp_unclipped": (None, False, False),  # shows that clipping changes the weights
-    "zero2": (2, False, False),
+    "zero2": (2, False, True),
+    "zero2_no_clip_call": (2, False, False),  # the engine clips whether or not the script asks for the norm
     "zero1_each_batch": (1, True, False),
-    "zero2_each_batch": (2, True, False),
+    "zero2_each_batch": (2, True, True),
 }
 
 
@@ -205,15 +208,18 @@ def rules_run(stage: int | None, each_batch: bool, clip: bool) -> dict[str, Any]
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(32, 4, generator=g) * 10, torch.randn(32, 1, generator=g) * 100)
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=2))
+    norms, skipped = [], []
     for x, y in loader:
         with accelerator.accumulate(model):
             accelerator.backward(nn.functional.mse_loss(model(x), y))
             if clip and accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                norms.append(norm.item() if isinstance(norm, torch.Tensor) else norm)  # DeepSpeed: a float
             optimizer.step()
+            skipped.append(accelerator.optimizer_step_was_skipped)
             optimizer.zero_grad()
     config = dict(accelerator.fabric.strategy.config) if stage is not None else None
-    return {"final": weights(accelerator, model), "config": config}
+    return {"final": weights(accelerator, model), "config": config, "norms": norms, "skipped": skipped}
 
 
 def main() -> None:
