@@ -259,7 +259,7 @@ def test_trainer_kwargs_for_one_process() -> None:
 
 
 def test_trainer_kwargs_pass_dynamo_settings_to_the_strategy() -> None:
-    plugin = load_config(FIXTURES / "dynamo.yaml").trainer_kwargs()["strategy"]._dynamo_plugin
+    plugin = load_config(FIXTURES / "dynamo.yaml").trainer_kwargs()["strategy"]._family.dynamo_plugin
     assert plugin.backend == DynamoBackend.INDUCTOR
     assert (plugin.mode, plugin.fullgraph, plugin.dynamic, plugin.use_regional_compilation) == (
         "reduce-overhead",

@@ -22,16 +22,15 @@ from typing_extensions import override
 
 from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.ddp_core import DDPFamily
+from lightning_accel.strategies.ddp_core import DDPFamily, DDPFamilyAdapter
 from lightning_accel.strategies.devices import BACKEND_BY_TYPE
-from lightning_accel.strategies.precision_bridge import bind_precision, translating
+from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.compile import apply_dynamo
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class AcceleratedDDPStrategy(_TrainerDDPStrategy):
+class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
     """Trainer strategy for one process per device, gradients averaged by ``DistributedDataParallel``.
 
     Args:
@@ -76,8 +75,7 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
         precision_plugin: Precision | None = None,
         start_method: _StartMethod = "popen",
     ) -> None:
-        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs)
-        self._dynamo_plugin = dynamo_plugin
+        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs, dynamo_plugin)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -89,15 +87,9 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
             **self._family.torch_ddp_kwargs(),
         )
 
-    @property
-    def distributed_type(self) -> DistributedType | None:
-        """The Accelerate type this strategy runs (known once the devices are)."""
-        return self._family.distributed_type
-
     @override
     def _configure_launcher(self) -> None:
-        self._family.check_devices(self.parallel_devices)
-        bind_precision(self.precision_plugin, self.parallel_devices)
+        self._check_devices_and_bind(self.precision_plugin)
         super()._configure_launcher()
 
     precision_plugin = translating(_TrainerDDPStrategy.precision_plugin)
@@ -108,24 +100,18 @@ class AcceleratedDDPStrategy(_TrainerDDPStrategy):
 
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        assert self.cluster_environment is not None
-        self._family.init_process_group(self.cluster_environment, self._process_group_backend, self.root_device)
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        return self._family.collective_backend(self.root_device)
+        self._init_process_group()
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        return self._family.wrap(apply_dynamo(model, self._dynamo_plugin), self.determine_ddp_device_ids())
+        return self._family.wrap(model, self.determine_ddp_device_ids())
 
     @override
     def _register_ddp_hooks(self) -> None:
         """Hooks are registered by :meth:`_setup_model` on every device type (Lightning limits them to CUDA)."""
 
 
-class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
+class FabricAcceleratedDDPStrategy(DDPFamilyAdapter, _FabricDDPStrategy):
     """Fabric twin of :class:`AcceleratedDDPStrategy`.
 
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``.
@@ -146,8 +132,7 @@ class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
         precision: FabricPrecision | None = None,
         start_method: _StartMethod = "popen",
     ) -> None:
-        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs)
-        self._dynamo_plugin = dynamo_plugin
+        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs, dynamo_plugin)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -159,15 +144,9 @@ class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
             **self._family.torch_ddp_kwargs(),
         )
 
-    @property
-    def distributed_type(self) -> DistributedType | None:
-        """The Accelerate type this strategy runs (known once the devices are)."""
-        return self._family.distributed_type
-
     @override
     def _configure_launcher(self) -> None:
-        self._family.check_devices(self.parallel_devices)
-        bind_precision(self.precision, self.parallel_devices)
+        self._check_devices_and_bind(self.precision)
         super()._configure_launcher()
 
     precision = translating(_FabricDDPStrategy.precision)
@@ -175,17 +154,11 @@ class FabricAcceleratedDDPStrategy(_FabricDDPStrategy):
     @override
     def _setup_distributed(self) -> None:
         self._set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        assert self.cluster_environment is not None
-        self._family.init_process_group(self.cluster_environment, self._process_group_backend, self.root_device)
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        return self._family.collective_backend(self.root_device)
+        self._init_process_group()
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        return self._family.wrap(apply_dynamo(module, self._dynamo_plugin), self._determine_ddp_device_ids())
+        return self._family.wrap(module, self._determine_ddp_device_ids())
 
 
 def _entries() -> tuple[StrategyEntry, ...]:

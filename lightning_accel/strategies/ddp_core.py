@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -14,7 +14,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType
 from lightning_accel.strategies.devices import (
     DeviceBackend,
@@ -23,6 +23,8 @@ from lightning_accel.strategies.devices import (
     default_collective_backend,
     import_collective_backend,
 )
+from lightning_accel.strategies.precision_bridge import bind_precision
+from lightning_accel.utils.compile import apply_dynamo
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
@@ -37,6 +39,7 @@ class DDPFamily:
             (``cpu`` gives ``MULTI_CPU``, ``cuda`` gives ``MULTI_GPU``, and so on).
         ddp_kwargs: How to build ``DistributedDataParallel`` and which communication hook to register.
         init_kwargs: How to create the process group (backend, init method, timeout).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before it is wrapped.
 
     """
 
@@ -46,8 +49,10 @@ class DDPFamily:
         distributed_type: DistributedType | str | None,
         ddp_kwargs: DistributedDataParallelKwargs | None,
         init_kwargs: InitProcessGroupKwargs | None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
     ) -> None:
         self.strategy_name = strategy_name
+        self.dynamo_plugin = dynamo_plugin
         self.ddp_kwargs = _check_instance(ddp_kwargs, DistributedDataParallelKwargs, "ddp_kwargs")
         self.init_kwargs = _check_instance(init_kwargs, InitProcessGroupKwargs, "init_kwargs")
         self.backend: DeviceBackend | None = None
@@ -124,7 +129,8 @@ class DDPFamily:
         return kwargs
 
     def wrap(self, module: Module, device_ids: list[int] | None) -> DistributedDataParallel:
-        """Wrap ``module`` in ``DistributedDataParallel`` and register the configured communication hook."""
+        """Compile ``module`` as the dynamo plugin says, wrap it in DDP and register the communication hook."""
+        module = apply_dynamo(module, self.dynamo_plugin)
         # Building DDP on a side stream avoids touching the default CUDA stream (as Lightning does).
         on_cuda = device_ids is not None and self.backend is not None and self.backend.device_type == "cuda"
         with torch.cuda.stream(torch.cuda.Stream()) if on_cuda else nullcontext():
@@ -142,6 +148,51 @@ class DDPFamily:
                 "DistributedDataParallelKwargs(comm_hook/comm_wrapper='bf16') needs NCCL on CUDA (or XCCL on XPU);"
                 " torch refuses it on CPU. Use 'fp16' or 'power_sgd' on CPU."
             )
+
+
+class _Host(Protocol):
+    """The parts of a Lightning parallel strategy (Trainer or Fabric) that :class:`DDPFamilyAdapter` uses."""
+
+    _family: DDPFamily
+    _process_group_backend: str | None
+    cluster_environment: ClusterEnvironment | None
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+
+    def _get_process_group_backend(self) -> str: ...
+
+
+class DDPFamilyAdapter:
+    """What the Trainer and Fabric twins of a DDP-family strategy share, read from their ``_family``.
+
+    Listed before Lightning's strategy among the bases, so its methods take precedence over Lightning's.
+    """
+
+    _family: DDPFamily
+    _process_group_backend: str | None
+
+    @property
+    def distributed_type(self) -> DistributedType | None:
+        """The Accelerate type this strategy runs (known once the devices are)."""
+        return self._family.distributed_type
+
+    def _get_process_group_backend(self: _Host) -> str:
+        return self._family.collective_backend(self.root_device)
+
+    def _check_devices_and_bind(self: _Host, precision: Any) -> None:
+        """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind ``precision`` to them."""
+        self._family.check_devices(self.parallel_devices)
+        bind_precision(precision, self.parallel_devices)
+
+    def _init_process_group(self: _Host) -> None:
+        """Choose the collective backend and create the default process group (world ranks already set)."""
+        backend = self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        self._family.init_process_group(self.cluster_environment, backend, self.root_device)
 
 
 def _parse_distributed_type(value: DistributedType | str) -> DistributedType:

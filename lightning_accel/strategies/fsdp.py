@@ -29,14 +29,13 @@ from typing_extensions import override
 from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.fsdp_core import FSDPFamily
+from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.compile import apply_dynamo
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
+class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
     """Trainer strategy that shards parameters, gradients and optimizer state across processes.
 
     Args:
@@ -72,10 +71,9 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
         precision_plugin: Precision | None = None,
         start_method: _StartMethod = "popen",
     ) -> None:
-        self._fsdp = FSDPFamily(fsdp_plugin)
+        self._fsdp = FSDPFamily(fsdp_plugin, dynamo_plugin)
         super().__init__(
             init_kwargs=init_kwargs,
-            dynamo_plugin=dynamo_plugin,
             strategy_name=strategy_name,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -84,16 +82,6 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
             precision_plugin=precision_plugin,
             start_method=start_method,
         )
-
-    @property
-    @override
-    def distributed_type(self) -> DistributedType:
-        return DistributedType.FSDP
-
-    @property
-    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin:
-        """The FSDP settings in use."""
-        return self._fsdp.plugin
 
     @property
     @override
@@ -112,7 +100,6 @@ class AcceleratedFSDPStrategy(AcceleratedDDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
-        model = apply_dynamo(model, self._dynamo_plugin)
         return self._fsdp.wrap(model, self.root_device, self.world_size, self.precision_plugin)
 
     @override
@@ -203,7 +190,7 @@ class _FSDPBackwardSyncControl(_BackwardSyncControl):
         return self._family.no_sync(module, enabled)
 
 
-class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
+class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrategy):
     """Fabric twin of :class:`AcceleratedFSDPStrategy` (``precision`` instead of ``precision_plugin``).
 
     Sharding replaces the model's parameters, so set the model up first and create the optimizer from the sharded
@@ -224,10 +211,9 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
         precision: FabricPrecision | None = None,
         start_method: _StartMethod = "popen",
     ) -> None:
-        self._fsdp = FSDPFamily(fsdp_plugin)
+        self._fsdp = FSDPFamily(fsdp_plugin, dynamo_plugin)
         super().__init__(
             init_kwargs=init_kwargs,
-            dynamo_plugin=dynamo_plugin,
             strategy_name=strategy_name,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -238,16 +224,6 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
         )
         self._backward_sync_control = _FSDPBackwardSyncControl(self._fsdp)
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
-
-    @property
-    @override
-    def distributed_type(self) -> DistributedType:
-        return DistributedType.FSDP
-
-    @property
-    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin:
-        """The FSDP settings in use."""
-        return self._fsdp.plugin
 
     @override
     def setup_module_and_optimizers(
@@ -266,7 +242,6 @@ class FabricAcceleratedFSDPStrategy(FabricAcceleratedDDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
-        module = apply_dynamo(module, self._dynamo_plugin)
         sharded = self._fsdp.wrap(module, self.root_device, self.world_size, self.precision)
         self._sharded_modules.add(sharded)
         return sharded

@@ -19,8 +19,10 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_accel.config import FullyShardedDataParallelPlugin
+from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from lightning_accel.enums import DistributedType
 from lightning_accel.utils.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
+from lightning_accel.utils.compile import apply_dynamo
 
 _MODEL_KEY = "state_dict"
 _OPTIMIZER_PREFIX = "optimizer_"
@@ -31,13 +33,17 @@ class FSDPFamily:
 
     Args:
         plugin: Accelerate's FSDP settings; ``None`` means the defaults (FSDP2, full sharding, sharded checkpoints).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before it is sharded.
 
     """
 
-    def __init__(self, plugin: FullyShardedDataParallelPlugin | None) -> None:
+    def __init__(
+        self, plugin: FullyShardedDataParallelPlugin | None, dynamo_plugin: TorchDynamoPlugin | None = None
+    ) -> None:
         if plugin is not None and not isinstance(plugin, FullyShardedDataParallelPlugin):
             raise TypeError(f"`fsdp_plugin` must be a FullyShardedDataParallelPlugin, got {type(plugin).__name__}.")
         self.plugin = plugin or FullyShardedDataParallelPlugin()
+        self.dynamo_plugin = dynamo_plugin
 
     @property
     def version(self) -> int:
@@ -52,13 +58,15 @@ class FSDPFamily:
     def wrap(self, module: Module, device: torch.device, world_size: int, precision: Any = None) -> Module:
         """Shard ``module`` across the default process group; returns the module to train.
 
-        Without a ``mixed_precision_policy`` in the plugin, a mixed-precision ``precision`` plugin (bf16/fp16
-        autocast) also sets FSDP's parameter, reduction and buffer dtypes to its compute dtype, as Accelerate does.
+        The module is compiled first, as the dynamo plugin says. Without a ``mixed_precision_policy`` in the plugin,
+        a mixed-precision ``precision`` plugin (bf16/fp16 autocast) also sets FSDP's parameter, reduction and buffer
+        dtypes to its compute dtype, as Accelerate does.
 
         Raises:
             ValueError: If ``cpu_offload`` is requested while training on CPU, where there is nothing to offload.
 
         """
+        module = apply_dynamo(module, self.dynamo_plugin)
         if device.type == "cpu" and self._offloads():
             raise ValueError(
                 "FullyShardedDataParallelPlugin(cpu_offload=...) moves parameters from an accelerator to CPU memory,"
@@ -321,6 +329,22 @@ class FSDPFamily:
                 " FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...]) to their class names."
             )
         apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
+
+
+class FSDPFamilyAdapter:
+    """What the Trainer and Fabric ``acc_fsdp`` strategies share, read from their ``_fsdp`` (listed first in bases)."""
+
+    _fsdp: FSDPFamily
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Always ``FSDP``."""
+        return DistributedType.FSDP
+
+    @property
+    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin:
+        """The FSDP settings in use."""
+        return self._fsdp.plugin
 
 
 def _refresh_after_step(module: Module, *_: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
@@ -40,7 +41,32 @@ def _pick_device(
     return devices[0]
 
 
-class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
+class _SingleDeviceAdapter:
+    """What the Trainer and Fabric ``acc_no`` strategies share (listed before Lightning's strategy in the bases)."""
+
+    distributed_type = DistributedType.NO
+    _root_device: torch.device
+    parallel_devices: list[torch.device] | None
+
+    def _adopt(self, strategy_name: str, dynamo_plugin: TorchDynamoPlugin | None, device_given: bool) -> None:
+        """Keep the constructor's own arguments, once Lightning has parsed the device into ``_root_device``."""
+        self._strategy_name = strategy_name
+        self._dynamo_plugin = dynamo_plugin
+        self._explicit_device = self._root_device if device_given else None
+        # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
+        self.parallel_devices = None
+
+    def _pick_device_and_bind(self, precision: Any) -> None:
+        """Settle the device (the explicit one, else Lightning's single pick) and bind ``precision`` to it."""
+        self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
+        bind_precision(precision, [self._root_device])
+
+    def _compiled(self, module: Module) -> Module:
+        """``module``, compiled in place as the dynamo plugin says."""
+        return apply_dynamo(module, self._dynamo_plugin)
+
+
+class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDeviceStrategy):
     """Trainer strategy for one process on one device: cpu, cuda, mps or whichever device the accelerator gives.
 
     Args:
@@ -52,8 +78,6 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
         precision_plugin: Passed to Lightning.
 
     """
-
-    distributed_type = DistributedType.NO
 
     def __init__(
         self,
@@ -71,16 +95,11 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._strategy_name = strategy_name
-        self._dynamo_plugin = dynamo_plugin
-        self._explicit_device = None if device is None else self._root_device
-        # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
-        self.parallel_devices: list[torch.device] | None = None
+        self._adopt(strategy_name, dynamo_plugin, device is not None)
 
     @override
     def _configure_launcher(self) -> None:
-        self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
-        bind_precision(self.precision_plugin, [self._root_device])
+        self._pick_device_and_bind(self.precision_plugin)
         super()._configure_launcher()
 
     precision_plugin = translating(_TrainerSingleDeviceStrategy.precision_plugin)
@@ -88,14 +107,12 @@ class AcceleratedSingleDeviceStrategy(_TrainerSingleDeviceStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None
-        self.model = apply_dynamo(self.model, self._dynamo_plugin)
+        self.model = self._compiled(self.model)
         super().setup(trainer)
 
 
-class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
+class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleDeviceStrategy):
     """Fabric twin of :class:`AcceleratedSingleDeviceStrategy` (``precision`` instead of ``precision_plugin``)."""
-
-    distributed_type = DistributedType.NO
 
     def __init__(
         self,
@@ -113,22 +130,18 @@ class FabricAcceleratedSingleDeviceStrategy(_FabricSingleDeviceStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-        self._strategy_name = strategy_name
-        self._dynamo_plugin = dynamo_plugin
-        self._explicit_device = None if device is None else self._root_device
-        self.parallel_devices: list[torch.device] | None = None
+        self._adopt(strategy_name, dynamo_plugin, device is not None)
 
     @override
     def _configure_launcher(self) -> None:
-        self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
-        bind_precision(self.precision, [self._root_device])
+        self._pick_device_and_bind(self.precision)
         super()._configure_launcher()
 
     precision = translating(_FabricSingleDeviceStrategy.precision)
 
     @override
     def setup_module(self, module: Module) -> Module:
-        return super().setup_module(apply_dynamo(module, self._dynamo_plugin))
+        return super().setup_module(self._compiled(module))
 
 
 ENTRIES = (
