@@ -6,7 +6,8 @@ optimizer's ``step``/``zero_grad`` do nothing, and ``clip_grad_norm_`` returns t
 step (its ``max_norm`` is ignored). The ``Accelerator`` does the same through the functions here, so
 ``clip_grad_norm_`` after ``backward`` answers for the step just taken. A torch scheduler prepared with the model is
 not given to the engine (Accelerate gives it only DeepSpeed's own schedulers): the user steps it, by Accelerate's
-rules.
+rules. A ``DummyScheduler`` comes back as the engine's scheduler, whose ``step`` does nothing (the engine steps it),
+and ``clip_grad_value_`` is refused, as in Accelerate.
 """
 
 from __future__ import annotations
@@ -17,11 +18,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
+from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_accel._dummies import DeepSpeedSchedulerWrapper, DummyScheduler, only_deepspeed_error
 from lightning_accel.optimizer import AcceleratedOptimizer
 
-__all__ = ["engine_steps_in_backward", "global_grad_norm", "step_after_backward"]
+__all__ = [
+    "SCHEDULERS",
+    "engine_scheduler",
+    "engine_steps_in_backward",
+    "global_grad_norm",
+    "refuse_value_clipping",
+    "step_after_backward",
+]
 
+# What Accelerator.prepare treats as a scheduler.
+SCHEDULERS = (LRScheduler, DummyScheduler)
 _warned_max_norm: set[float] = set()
 
 
@@ -75,3 +87,50 @@ def _warn_if_ignored(configured: float, max_norm: float) -> None:
         UserWarning,
         stacklevel=4,  # the script that called Accelerator.clip_grad_norm_
     )
+
+
+def engine_scheduler(
+    strategy: Strategy, scheduler: Any, optimizers: Sequence[AcceleratedOptimizer]
+) -> DeepSpeedSchedulerWrapper | None:
+    """What ``prepare`` returns for a ``DummyScheduler``: the engine's scheduler, stepped by the engine (Accelerate's).
+
+    Args:
+        strategy: The ``Accelerator``'s strategy.
+        scheduler: The scheduler passed to ``prepare``.
+        optimizers: The prepared optimizers.
+
+    Returns:
+        The wrapped engine scheduler, or ``None`` when ``scheduler`` is not a ``DummyScheduler``.
+
+    Raises:
+        ValueError: Without DeepSpeed, or when no engine built a scheduler (the ``DummyScheduler`` was not prepared
+            in the same call as the model and its optimizer).
+
+    """
+    if not isinstance(scheduler, DummyScheduler):
+        return None
+    if not engine_steps_in_backward(strategy):
+        raise only_deepspeed_error(scheduler=True)
+    engine: Any = getattr(strategy, "_deepspeed_engine", None)
+    if engine is None or engine.lr_scheduler is None:
+        raise ValueError(
+            "DummyScheduler was prepared, but no DeepSpeed engine built a scheduler for it. Prepare it in the same"
+            " accelerator.prepare call as the model and its optimizer, with a 'scheduler' section in the DeepSpeed"
+            " config (lr_scheduler_callable is used only with a DummyOptim, as in Accelerate)."
+        )
+    return DeepSpeedSchedulerWrapper(engine.lr_scheduler, optimizers)
+
+
+def refuse_value_clipping(strategy: Strategy) -> None:
+    """Refuse ``clip_grad_value_`` under DeepSpeed, as Accelerate does: the engine owns the (sharded) gradients.
+
+    Raises:
+        RuntimeError: Under DeepSpeed.
+
+    """
+    if engine_steps_in_backward(strategy):
+        raise RuntimeError(
+            "clip_grad_value_ is not supported under DeepSpeed (as in Accelerate): the engine clips the gradient norm"
+            " itself inside accelerator.backward. Set the DeepSpeed config's gradient_clipping (or"
+            " DeepSpeedPlugin(gradient_clipping=...)) instead, or call accelerator.clip_grad_norm_."
+        )

@@ -17,8 +17,10 @@ import torch
 from lightning.fabric import Fabric
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from lightning_accel._dummies import DummyOptim, DummyScheduler
 from lightning_accel.config import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -199,15 +201,20 @@ def describe_prepare_call(strategy: Any, objects: Sequence[Any], split_batches: 
     """Tell a strategy whose engine config depends on the ``prepare`` call (DeepSpeed) what the call holds.
 
     Strategies answer through ``configure_from_prepare``; the others have nothing to configure. Only calls that set up
-    a model build an engine, so only they are described (Accelerate's ``prepare`` reads the same objects).
+    a model build an engine, so only they are described (Accelerate's ``prepare`` reads the same objects, including
+    ``DummyOptim`` / ``DummyScheduler``).
     """
     configure = getattr(strategy, "configure_from_prepare", None)
     if configure is None or not any(isinstance(obj, Module) for obj in objects):
         return
+    optimizers = [obj for obj in objects if isinstance(obj, Optimizer)]
+    schedulers = [obj for obj in objects if isinstance(obj, (LRScheduler, DummyScheduler))]
     configure(
         _batch_sizes([obj for obj in objects if isinstance(obj, DataLoader)]),
         split_batches=split_batches,
-        torch_optimizer=any(isinstance(obj, Optimizer) for obj in objects),
+        torch_optimizer=any(not isinstance(obj, DummyOptim) for obj in optimizers),
+        optimizer=optimizers[-1] if optimizers else None,  # the last of each, as Accelerate reads the call
+        scheduler=schedulers[-1] if schedulers else None,
     )
 
 

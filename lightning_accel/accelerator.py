@@ -23,7 +23,6 @@ from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch.nn import Module
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -251,7 +250,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
             if isinstance(obj, DataLoader) and not isinstance(obj, DataLoaderShard):
                 result[i] = self.prepare_data_loader(obj, device_placement=placement[i])
         for i, obj in enumerate(result):
-            if isinstance(obj, LRScheduler):
+            if isinstance(obj, _engine_step.SCHEDULERS):
                 result[i] = self.prepare_scheduler(obj)
         return result[0] if len(result) == 1 else tuple(result)
 
@@ -293,11 +292,11 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
         """Set up one optimizer (after its model)."""
         return self.prepare(optimizer)
 
-    def prepare_scheduler(self, scheduler: LRScheduler) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so it steps with its (prepared) optimizer."""
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap ``scheduler`` so it steps with its prepared optimizer (a ``DummyScheduler``: the engine's)."""
         optimizers = [opt for opt in self._optimizers if _raw_optimizer(opt) is scheduler.optimizer]
-        wrapped = AcceleratedScheduler(
-            scheduler, optimizers, self.step_scheduler_with_optimizer, split_batches=self.split_batches
+        wrapped = _engine_step.engine_scheduler(self.fabric.strategy, scheduler, self._optimizers) or (
+            AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches)
         )
         self._schedulers.append(wrapped)
         return wrapped
@@ -402,7 +401,8 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling)."""
+        """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling; not DeepSpeed)."""
+        _engine_step.refuse_value_clipping(self.fabric.strategy)
         params, _ = self._owner(parameters)
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(params, clip_value)

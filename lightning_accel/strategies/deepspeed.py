@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_accel._dummies import DummyOptim
 from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.deepspeed_core import (
@@ -50,7 +51,12 @@ from lightning_accel.strategies.deepspeed_core import (
     estimated_total_steps,
 )
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
-from lightning_accel.strategies.deepspeed_prepare import PrepareFacts, resolve_prepare_config
+from lightning_accel.strategies.deepspeed_prepare import (
+    PrepareFacts,
+    check_dummies,
+    dummy_fills,
+    resolve_prepare_config,
+)
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
 
@@ -357,6 +363,8 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
             logging_level=logging_level,
         )
         self._backward_sync_control = _AccumulationBoundary(self._family)
+        self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable (configure_from_prepare)
+        self._from_prepare = False  # configured by Accelerator.prepare (configure_from_prepare)
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
@@ -402,7 +410,13 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         self.config = self._family.resolve(facts)
 
     def configure_from_prepare(
-        self, batch_sizes: Sequence[int | None], *, split_batches: bool, torch_optimizer: bool
+        self,
+        batch_sizes: Sequence[int | None],
+        *,
+        split_batches: bool,
+        torch_optimizer: bool,
+        optimizer: Any = None,
+        scheduler: Any = None,
     ) -> None:
         """Fill the config's "auto" entries by Accelerate's rules, for the engine ``Accelerator.prepare`` builds.
 
@@ -413,8 +427,18 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
             batch_sizes: Batch sizes of the data loaders in the same call (``None`` where unknown).
             split_batches: Whether those batches are split over the processes.
             torch_optimizer: Whether the call holds a torch optimizer.
+            optimizer: The call's optimizer (torch or ``DummyOptim``), if any.
+            scheduler: The call's scheduler (torch or ``DummyScheduler``), if any.
+
+        Raises:
+            ValueError: If the optimizer or scheduler does not match the config's sections (as in Accelerate).
 
         """
+        plugin = self._family.plugin
+        check_dummies(plugin.deepspeed_config, optimizer, scheduler)
+        self._scheduler_callable = getattr(scheduler, "lr_scheduler_callable", None)
+        self._from_prepare = True
+        fills = dummy_fills(optimizer, scheduler, self.world_size, split_batches)
         facts = PrepareFacts(
             world_size=self.world_size,
             device_type=self.root_device.type,
@@ -423,8 +447,8 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
             batch_sizes=tuple(batch_sizes),
             split_batches=split_batches,
             torch_optimizer=torch_optimizer,
+            dummy_fills=tuple(fills.items()),
         )
-        plugin = self._family.plugin
         self._family.config = resolve_prepare_config(
             plugin.deepspeed_config, facts, is_train_batch_min=plugin.is_train_batch_min
         )
@@ -435,10 +459,24 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         self, model: Module, optimizer: Optimizer | None = None, scheduler: Any = None
     ) -> tuple[Any, Any, Any]:
         declared_optimizer = "optimizer" in self._family.config
-        self.config = self._family.engine_config(model, optimizer, None)  # what the engine is built with
-        return self._family.initialize(
-            model, None if declared_optimizer else optimizer, self.local_rank, self.config, lr_scheduler=scheduler
+        dummy = optimizer if isinstance(optimizer, DummyOptim) else None
+        # What the engine is built with; a DummyOptim's values were filled by configure_from_prepare (if "auto").
+        self.config = self._family.engine_config(model, None if dummy else optimizer, None)
+        given = scheduler
+        if dummy is not None and scheduler is None:
+            scheduler = self._scheduler_callable  # Accelerate gives it only with a DummyOptim
+        engine, ds_optimizer, ds_scheduler = self._family.initialize(
+            model,
+            None if declared_optimizer else optimizer,
+            self.local_rank,
+            self.config,
+            lr_scheduler=scheduler,
+            model_parameters=None if dummy is None else dummy.params,
         )
+        # Fabric's setup returns a scheduler the engine built from the config; under Accelerator.prepare it stays the
+        # engine's (``engine.lr_scheduler``, returned for a DummyScheduler) and setup returns only one it was given.
+        keep = given is not None or not self._from_prepare
+        return engine, ds_optimizer, ds_scheduler if keep else None
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:

@@ -332,8 +332,7 @@ class DeepSpeedFamily:
     Args:
         strategy_name: The registered name, used in error messages.
         plugin: The DeepSpeed settings; ``None`` means ``DeepSpeedPlugin()`` (ZeRO stage 2).
-        plugin_fields: Fields for the plugin built when ``plugin`` is ``None`` (the ``acc_deepspeed_stage_*`` names
-            use this).
+        plugin_fields: Fields for the plugin built when ``plugin`` is ``None`` (by the ``acc_deepspeed_stage_*`` names).
         dynamo_plugin: ``torch.compile`` settings applied to the model before DeepSpeed wraps it.
 
     Raises:
@@ -452,16 +451,17 @@ class DeepSpeedFamily:
         local_rank: int,
         config: Mapping[str, Any],
         lr_scheduler: Any = None,
+        model_parameters: Any = None,
     ) -> tuple[Any, Any, Any]:
         """Build the DeepSpeed engine.
 
         Args:
             model: The module to wrap.
             optimizer: The torch optimizer, or ``None`` when the config declares one (or for inference).
-            local_rank: This process's index on its node (DeepSpeed's ``device_rank``; the device index is ``None``
-                on CPU).
+            local_rank: This process's index on its node (DeepSpeed's ``device_rank``, also on CPU).
             config: The final config (from :func:`fill_engine_autos` or :meth:`inference_config`).
             lr_scheduler: A scheduler for DeepSpeed to build or drive, if any.
+            model_parameters: Parameters or groups for DeepSpeed's optimizer (else the trainable ones).
 
         Returns:
             The engine, DeepSpeed's optimizer and DeepSpeed's scheduler.
@@ -475,7 +475,7 @@ class DeepSpeedFamily:
             args=argparse.Namespace(device_rank=local_rank),
             config=dict(config),
             model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            model_parameters=model_parameters or [p for p in model.parameters() if p.requires_grad],
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
             dist_init_required=False,

@@ -16,6 +16,11 @@ what ``accelerate.Accelerator._prepare_deepspeed`` and ``DeepSpeedPlugin.set_mix
 - ``fp16`` / ``bf16``: the section of the mixed precision is added when missing (``fp16`` with ``auto_cast``), the
   other one is added disabled, ``"auto"`` in ``enabled`` follows the mixed precision.
 - ``zero_allow_untested_optimizer``: ``True`` when the call holds a torch optimizer.
+- ``optimizer.params.lr`` / ``weight_decay``: ``"auto"`` becomes the ``DummyOptim``'s; ``scheduler.params``'s
+  ``warmup_min_lr`` / ``warmup_max_lr`` / ``warmup_num_steps`` / ``total_num_steps``: ``"auto"`` becomes ``0``, the
+  optimizer's ``lr``, the ``DummyScheduler``'s warmup (at least 1) and total steps (per process unless
+  ``split_batches``) (:func:`dummy_fills`; :func:`check_dummies` raises Accelerate's errors for a mismatch between
+  the call's optimizer/scheduler and the config's sections).
 
 Hidden-size bucket sizes and optimizer values are filled afterwards, when the engine is built
 (:func:`~.deepspeed_core.fill_engine_autos`). Differences from Accelerate, each where Accelerate fails or is silent:
@@ -27,13 +32,15 @@ when ``mixed_precision="no"``); CPU offload on CPU devices keeps the torch optim
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_accel._dummies import DummyOptim, DummyScheduler
 from lightning_accel.strategies.deepspeed_core import keep_torch_optimizer_on_cpu, resolve_precision
 
-__all__ = ["PrepareFacts", "resolve_prepare_config"]
+__all__ = ["PrepareFacts", "check_dummies", "dummy_fills", "resolve_prepare_config"]
 
 # What Accelerate 1.15 fills in any "auto" entry when it prepares a DeepSpeed engine (dotted keys).
 _ACCELERATE_DEFAULTS: dict[str, Any] = {
@@ -58,6 +65,8 @@ class PrepareFacts:
         split_batches: ``DataLoaderConfiguration(split_batches=True)``: the loaders' batches are split over the
             processes.
         torch_optimizer: Whether the call holds a torch optimizer.
+        dummy_fills: ``"auto"`` entries (dotted keys) filled from the call's ``DummyOptim`` / ``DummyScheduler``
+            (:func:`dummy_fills`).
 
     """
 
@@ -68,6 +77,7 @@ class PrepareFacts:
     batch_sizes: tuple[int | None, ...] = ()
     split_batches: bool = False
     torch_optimizer: bool = False
+    dummy_fills: tuple[tuple[str, Any], ...] = ()
 
 
 def resolve_prepare_config(
@@ -90,7 +100,7 @@ def resolve_prepare_config(
 
     """
     resolved = copy.deepcopy(dict(config))
-    fills = dict(_ACCELERATE_DEFAULTS)
+    fills = dict(_ACCELERATE_DEFAULTS) | dict(facts.dummy_fills)
     if resolved.get("gradient_accumulation_steps") == "auto":
         resolved["gradient_accumulation_steps"] = facts.accumulation
     micro = resolved.get("train_micro_batch_size_per_gpu")
@@ -107,6 +117,79 @@ def resolve_prepare_config(
         resolved["zero_allow_untested_optimizer"] = True
     keep_torch_optimizer_on_cpu(resolved, facts.device_type)
     return resolved
+
+
+def check_dummies(config: Mapping[str, Any], optimizer: Any, scheduler: Any) -> None:
+    """Raise Accelerate 1.15's errors where the call's optimizer or scheduler does not match the config's sections.
+
+    Args:
+        config: The plugin's DeepSpeed config.
+        optimizer: The call's optimizer (torch or ``DummyOptim``), or ``None``.
+        scheduler: The call's scheduler (torch or ``DummyScheduler``), or ``None``.
+
+    Raises:
+        ValueError: A torch optimizer (scheduler) with an ``"optimizer"`` (``"scheduler"``) section, a ``DummyOptim``
+            without one, a ``DummyScheduler`` without one nor ``lr_scheduler_callable``, or a ``DummyOptim`` with a
+            torch scheduler.
+
+    """
+    dummy_opt, dummy_sched = isinstance(optimizer, DummyOptim), isinstance(scheduler, DummyScheduler)
+    if optimizer is not None and ("optimizer" in config) != dummy_opt:
+        raise ValueError(_MISMATCH["optimizer", dummy_opt])
+    if scheduler is not None and "scheduler" in config and not dummy_sched:
+        raise ValueError(_MISMATCH["scheduler", False])
+    if dummy_sched and "scheduler" not in config and scheduler.lr_scheduler_callable is None:
+        raise ValueError(_MISMATCH["scheduler", True])
+    if scheduler is not None and dummy_opt and not dummy_sched:
+        raise ValueError(
+            f"DummyOptim was prepared with a torch scheduler ({type(scheduler).__name__}); only DummyScheduler can"
+            " schedule it, as in Accelerate: use DummyScheduler (with a 'scheduler' section in the DeepSpeed config,"
+            " or lr_scheduler_callable)."
+        )
+
+
+_MISMATCH = {
+    ("optimizer", False): "The DeepSpeed config declares an 'optimizer' and the code prepares a torch optimizer too."
+    " Remove the config's 'optimizer' section, or prepare lightning_accel.utils.DummyOptim(params, lr=...) instead.",
+    ("optimizer", True): "DummyOptim was prepared, but the DeepSpeed config has no 'optimizer' section to build."
+    " Add one (e.g. {'type': 'AdamW', 'params': {'lr': 'auto', 'weight_decay': 'auto'}}) or prepare a torch optimizer.",
+    ("scheduler", False): "The DeepSpeed config declares a 'scheduler' and the code prepares a torch scheduler too."
+    " Remove the config's 'scheduler' section, or prepare lightning_accel.utils.DummyScheduler(optimizer, ...).",
+    ("scheduler", True): "DummyScheduler was prepared, but the DeepSpeed config has no 'scheduler' section and no"
+    " lr_scheduler_callable was given. Add a 'scheduler' section (e.g. WarmupLR) or pass lr_scheduler_callable.",
+}
+
+
+def dummy_fills(optimizer: Any, scheduler: Any, world_size: int, split_batches: bool) -> dict[str, Any]:
+    """The ``"auto"`` values Accelerate 1.15 takes from a ``DummyOptim`` / ``DummyScheduler`` (dotted keys).
+
+    Args:
+        optimizer: The call's optimizer (torch or ``DummyOptim``), or ``None``.
+        scheduler: The call's scheduler, or ``None``; only a ``DummyScheduler`` without ``lr_scheduler_callable``
+            fills entries.
+        world_size: Number of processes (``total_num_steps`` is per process unless ``split_batches``).
+        split_batches: ``DataLoaderConfiguration(split_batches=True)``.
+
+    Returns:
+        The entries to fill where the config has ``"auto"``.
+
+    """
+    fills: dict[str, Any] = {}
+    if isinstance(optimizer, DummyOptim):
+        fills |= {"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay}
+    if not isinstance(scheduler, DummyScheduler) or scheduler.lr_scheduler_callable is not None:
+        return fills
+    defaults = getattr(scheduler.optimizer, "defaults", None)
+    max_lr = getattr(scheduler.optimizer, "lr", None) if defaults is None else defaults["lr"]
+    fills |= {
+        "scheduler.params.warmup_min_lr": 0,
+        "scheduler.params.warmup_max_lr": max_lr,
+        "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps),
+    }
+    if scheduler.total_num_steps is not None:
+        total = scheduler.total_num_steps
+        fills["scheduler.params.total_num_steps"] = total if split_batches else math.ceil(total / world_size)
+    return fills
 
 
 def _micro_batch_size(facts: PrepareFacts, is_train_batch_min: bool) -> int:

@@ -53,6 +53,7 @@ from lightning_accel.utils.constants import (
     WEIGHTS_NAME,
     WEIGHTS_PATTERN_NAME,
 )
+from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
 from lightning_accel.utils.environment_patching import (
     clear_environment,
     patch_environment,
@@ -127,6 +128,8 @@ __all__ = [
     "DistributedDataParallelKwargs",
     "DistributedOperationException",
     "DistributedType",
+    "DummyOptim",
+    "DummyScheduler",
     "DynamoBackend",
     "EnumWithContains",
     "FP8BackendType",
