@@ -17,7 +17,6 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
@@ -30,7 +29,7 @@ from typing_extensions import override
 from lightning_accel import _engine_step, _fabric, checkpointing
 from lightning_accel._loader_control import DataLoaderControl
 from lightning_accel._module import AcceleratedModule, plain_optimizer_step
-from lightning_accel._process import ProcessControl
+from lightning_accel._process import ProcessControl, destroy_process_group
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -469,11 +468,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
     def end_training(self) -> None:
         """Finish the run: close the trackers, destroy the process group."""
         self._finish_trackers()
-        if dist.is_available() and dist.is_initialized():
-            # Collect cycles first (e.g. a caught collective error's traceback): a gloo work object freed only at
-            # interpreter exit deadlocks on the GIL.
-            gc.collect()
-            dist.destroy_process_group()
+        destroy_process_group()
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
 

@@ -61,3 +61,21 @@ def test_plain_backward_is_refused_where_the_engine_runs_backward(monkeypatch: p
         accelerator.backward(model(torch.ones(2, 4)).float().sum())  # the supported call still works
     finally:
         accelerator.end_training()
+
+
+def test_a_second_deepspeed_run_in_the_same_process_after_end_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """end_training releases DeepSpeed's cached process groups too (stale ones broke the next engine's setup)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for _ in range(2):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        reset_state()
+        net = nn.Linear(4, 1)
+        accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1))
+        model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        try:
+            before = net.weight.detach().clone()
+            accelerator.backward(model(torch.ones(2, 4)).float().sum())
+            optimizer.step()
+            assert not torch.equal(accelerator.unwrap_model(model).weight.detach(), before)
+        finally:
+            accelerator.end_training()
