@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import BATCH, make_loader
+from overhead import BATCH, Module, make_loader
 
 import lightning_accel  # noqa: F401  (registers acc_deepspeed)
 from lightning_accel.config import DeepSpeedPlugin
@@ -52,19 +52,6 @@ def step_times(stamps: list[Stamp], warmup: int) -> list[Stamp]:
 
 def make_net() -> nn.Module:
     return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
-
-
-class Module(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = make_net()
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
 class Stamps(L.Callback):
@@ -130,7 +117,7 @@ def trainer(strategy: Callable[[], Any]) -> Callable[[int, int], list[Stamp]]:
             use_distributed_sampler=False,
             callbacks=[stamps],
         )
-        t.fit(Module(), make_loader(steps))
+        t.fit(Module(make_net()), make_loader(steps))
         return step_times(stamps.stamps, warmup)
 
     return run

@@ -57,9 +57,9 @@ def raw(steps: int, warmup: int) -> list[float]:
 
 
 class Module(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, net: nn.Module | None = None) -> None:
         super().__init__()
-        self.net = make_net()
+        self.net = make_net() if net is None else net
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
