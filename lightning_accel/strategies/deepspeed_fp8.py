@@ -31,7 +31,9 @@ FP8_FACTS_NAME = "fp8"
 class _Float8Conversion(FabricPrecision):
     """What fp8 adds to a DeepSpeed bf16 precision: the Linear conversion and the backend's forward context."""
 
-    fp8: FP8Precision
+    def __init__(self, fp8: FP8Precision) -> None:
+        super().__init__("bf16-mixed")  # type: ignore[call-arg]  # the DeepSpeedPrecision that follows in the MRO
+        self.fp8 = fp8
 
     @override
     def convert_module(self, module: Module) -> Module:
@@ -52,10 +54,6 @@ class TrainerFP8DeepSpeedPrecision(_Float8Conversion, TrainerDeepSpeedPrecision)
 
     """
 
-    def __init__(self, fp8: FP8Precision) -> None:
-        super().__init__("bf16-mixed")
-        self.fp8 = fp8
-
 
 class FabricFP8DeepSpeedPrecision(_Float8Conversion, FabricDeepSpeedPrecision):
     """Fabric twin of :class:`TrainerFP8DeepSpeedPrecision`.
@@ -64,10 +62,6 @@ class FabricFP8DeepSpeedPrecision(_Float8Conversion, FabricDeepSpeedPrecision):
         fp8: The plugin whose backend (``"ao"`` or ``"te"``) and recipe decide which Linears run in float8.
 
     """
-
-    def __init__(self, fp8: FP8Precision) -> None:
-        super().__init__("bf16-mixed")
-        self.fp8 = fp8
 
 
 def fp8_deepspeed_precision(fp8: FP8Precision, deepspeed_precision: type) -> _Float8Conversion:
