@@ -38,7 +38,7 @@ _warned_max_norm: set[float] = set()
 
 
 def engine_steps_in_backward(strategy: Strategy) -> bool:
-    """Whether ``strategy``'s engine takes the optimizer step inside ``backward`` (DeepSpeed), as in Accelerate."""
+    """Whether ``strategy``'s engine accumulates and steps itself inside ``backward`` (DeepSpeed), as in Accelerate."""
     return isinstance(strategy, DeepSpeedStrategy)
 
 

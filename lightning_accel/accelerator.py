@@ -18,7 +18,6 @@ from typing import Any, cast
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -322,7 +321,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
         Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
         """
         steps = self.gradient_state.num_steps
-        if steps != 1 and not isinstance(self.fabric.strategy, DeepSpeedStrategy):
+        if steps != 1 and not _engine_step.engine_steps_in_backward(self.fabric.strategy):
             loss = loss / steps
         if self._models and all(m._backward_guard is None for m in self._models):
             loss.backward(**kwargs)  # the strategy and precision plugin would add nothing around it
