@@ -1,0 +1,93 @@
+"""Import ``accelerate`` as ``lightning_accel`` in this process and in every Python process it starts.
+
+The peer stage puts this folder on ``PYTHONPATH`` with ``LIGHTNING_ACCEL_ALIAS=1``, so Python runs this file at start-up
+in the test process and in each child it spawns (``debug_launcher``, ``accelerate launch``, ``torchrun``). The mapping
+is mechanical: ``accelerate.<path>`` is ``lightning_accel.<path>``; a module that lightning_accel lacks fails to import,
+as it would for a user who changed the imports. ``accelerate.test_utils`` stays Hugging Face's own helpers (loaded from
+the installed accelerate), and their relative imports (``..state``, ``..utils``) resolve through the alias to ours.
+
+With ``LIGHTNING_ACCEL_ALIAS_LOG`` naming a file, each aliased module is appended to it (one line per module and
+process), which the stage prints.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+_OURS = "lightning_accel"
+_THEIRS = "accelerate"
+_KEPT = "accelerate.test_utils"
+
+
+class _ExistingModule(importlib.abc.Loader):
+    """Hand an already-imported lightning_accel module to the import system under its Accelerate name."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return self.module
+
+    def exec_module(self, module: ModuleType) -> None:
+        return None
+
+
+class AccelerateAlias(importlib.abc.MetaPathFinder):
+    """Resolve ``accelerate`` and its submodules to lightning_accel, except Accelerate's test helpers."""
+
+    def __init__(self, log: str | None) -> None:
+        self.log = log
+        self._real = importlib.machinery.PathFinder.find_spec(_THEIRS)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _THEIRS and not fullname.startswith(_THEIRS + "."):
+            return None
+        if fullname == _KEPT or fullname.startswith(_KEPT + "."):
+            return self._real_spec(fullname)
+        ours = _OURS + fullname[len(_THEIRS) :]
+        try:
+            module = importlib.import_module(ours)
+        except ModuleNotFoundError as err:
+            if err.name is not None and (ours == err.name or ours.startswith(err.name + ".")):
+                raise ModuleNotFoundError(
+                    f"No module named {fullname!r}: lightning_accel has no {ours!r}", name=fullname
+                ) from None
+            raise
+        self._record(fullname, ours)
+        spec = importlib.util.spec_from_loader(
+            fullname, _ExistingModule(module), is_package=hasattr(module, "__path__")
+        )
+        if spec is not None and hasattr(module, "__path__"):
+            spec.submodule_search_locations = list(module.__path__)
+        return spec
+
+    def _real_spec(self, fullname: str) -> importlib.machinery.ModuleSpec | None:
+        if self._real is None or self._real.submodule_search_locations is None:
+            raise ModuleNotFoundError(f"{fullname!r} needs Hugging Face accelerate installed", name=fullname)
+        if fullname == _KEPT:
+            search = list(self._real.submodule_search_locations)
+        else:
+            search = list(getattr(sys.modules.get(fullname.rpartition(".")[0]), "__path__", []))
+        return importlib.machinery.PathFinder.find_spec(fullname, search)
+
+    def _record(self, theirs: str, ours: str) -> None:
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{os.getpid()} {theirs} -> {ours}\n")
+
+
+def install() -> None:
+    """Put the alias first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(finder, AccelerateAlias) for finder in sys.meta_path):
+        sys.meta_path.insert(0, AccelerateAlias(os.environ.get("LIGHTNING_ACCEL_ALIAS_LOG")))
+
+
+if os.environ.get("LIGHTNING_ACCEL_ALIAS") == "1":
+    install()
