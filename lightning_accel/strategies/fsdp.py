@@ -193,8 +193,10 @@ class _FSDPBackwardSyncControl(_BackwardSyncControl):
 class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrategy):
     """Fabric twin of :class:`AcceleratedFSDPStrategy` (``precision`` instead of ``precision_plugin``).
 
-    Sharding replaces the model's parameters, so set the model up first and create the optimizer from the sharded
-    parameters: ``model = fabric.setup_module(model)``, then ``fabric.setup_optimizers(SGD(model.parameters()))``.
+    Sharding replaces the model's parameters. ``fabric.setup(model, optimizer)`` (Accelerate's one-call
+    ``prepare(model, optimizer, ...)``) takes an optimizer built from the unsharded model and points its param groups
+    at the sharded parameters; ``model = fabric.setup_module(model)`` followed by
+    ``fabric.setup_optimizers(SGD(model.parameters()))`` works as well.
     """
 
     def __init__(
@@ -229,11 +231,15 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[Module, list[Optimizer], Any]:
-        raise ValueError(
-            "acc_fsdp replaces the model's parameters when it shards them, so an optimizer created before"
-            " `fabric.setup(model, optimizer)` would update stale tensors. Call `model = fabric.setup_module(model)`,"
-            " then create the optimizer from `model.parameters()` and call `fabric.setup_optimizers(optimizer)`."
-        )
+        """Shard ``module`` and point ``optimizers``, built from its unsharded parameters, at the sharded ones.
+
+        Raises:
+            ValueError: As :meth:`~lightning_accel.strategies.fsdp_core.FSDPFamily.wrap_with_optimizers` does.
+
+        """
+        sharded = self._fsdp.wrap_with_optimizers(module, optimizers, self.root_device, self.world_size, self.precision)
+        self._sharded_modules.add(sharded)
+        return sharded, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     @override
     def _configure_launcher(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
 from lightning_accel.utils.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
 from lightning_accel.utils.compile import apply_dynamo
 
@@ -78,6 +79,30 @@ class FSDPFamily:
         if self.version == 1:
             return self._wrap_fsdp1(module, device, mixed_precision)
         return self._wrap_fsdp2(module, device, world_size, mixed_precision)
+
+    def wrap_with_optimizers(
+        self,
+        module: Module,
+        optimizers: Sequence[Optimizer],
+        device: torch.device,
+        world_size: int,
+        precision: Any = None,
+    ) -> Module:
+        """:meth:`wrap` ``module`` and point ``optimizers``, built from its unsharded parameters, at the sharded ones.
+
+        This is Accelerate's one-call ``prepare(model, optimizer)``. Each param group keeps its settings and gets the
+        sharded parameters of the names it held (see :mod:`~lightning_accel.strategies.fsdp_optimizers`).
+
+        Raises:
+            ValueError: If an optimizer has already stepped, holds a tensor that is not a parameter of ``module``, or
+                (FSDP1 with ``use_orig_params=False``) splits the parameters of one flat parameter between param
+                groups or optimizers.
+
+        """
+        names = optimizer_parameter_names(module, optimizers)
+        sharded = self.wrap(module, device, world_size, precision)
+        repoint_optimizers(sharded, optimizers, names)
+        return sharded
 
     def adopt_precision(self, precision: Any) -> None:
         """Tell an fp8 plugin, before it converts the model, which FSDP version will shard it.
