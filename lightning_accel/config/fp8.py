@@ -1,7 +1,8 @@
-"""Accelerate's FP8 recipe kwargs: ``AORecipeKwargs`` (torchao) and ``TERecipeKwargs`` (Transformer Engine)."""
+"""Accelerate's FP8 recipe kwargs: ``AORecipeKwargs``, ``TERecipeKwargs`` and the deprecated ``FP8RecipeKwargs``."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,3 +86,42 @@ class TERecipeKwargs(KwargsHandler):
         if len(tuple(self.override_linear_precision)) != 3:
             got = self.override_linear_precision
             raise ValueError(f"override_linear_precision must be three bools (fprop, dgrad, wgrad), got {got!r}")
+
+
+@dataclass
+class FP8RecipeKwargs(TERecipeKwargs):
+    """Deprecated (as in Accelerate, to be removed in 2.0): ``TERecipeKwargs`` with a ``backend`` field.
+
+    Use :class:`TERecipeKwargs` or :class:`AORecipeKwargs` instead. Creating one warns with a ``FutureWarning``.
+
+    Attributes:
+        backend: ``"TE"`` (Transformer Engine, the default here) or ``"MSAMP"``, any case. lightning_accel has no
+            MS-AMP backend, so ``"MSAMP"`` is refused.
+        opt_level: MS-AMP's optimisation level; only meaningful with ``backend="MSAMP"``, so it must stay ``None``.
+
+    """
+
+    backend: str | None = None
+    opt_level: str | None = None
+
+    def __post_init__(self) -> None:
+        warnings.warn(
+            "FP8RecipeKwargs is deprecated (Accelerate removes it in 2.0): use TERecipeKwargs for Transformer Engine "
+            "or AORecipeKwargs for torchao",
+            FutureWarning,
+            stacklevel=3,
+        )
+        self.backend = "TE" if self.backend is None else str(self.backend).upper()
+        if self.backend == "MSAMP":
+            raise ValueError(
+                "FP8RecipeKwargs(backend='MSAMP'): lightning_accel has no MS-AMP backend; use TERecipeKwargs "
+                "(Transformer Engine) or AORecipeKwargs (torchao)"
+            )
+        if self.backend != "TE":
+            raise ValueError(f"FP8RecipeKwargs backend must be 'TE' or 'MSAMP', got {self.backend!r}")
+        if self.opt_level is not None:
+            raise ValueError(
+                f"FP8RecipeKwargs(opt_level={self.opt_level!r}) sets an MS-AMP level, which the TE backend does not "
+                "use; drop opt_level"
+            )
+        super().__post_init__()

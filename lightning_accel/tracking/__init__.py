@@ -3,7 +3,8 @@
 Built in: ``"tensorboard"`` (through Lightning's ``TensorBoardLogger``), ``"wandb"``, ``"comet_ml"`` and ``"mlflow"``
 (on their own packages: see each module for why not Lightning's logger), ``"all"`` (those whose packages are
 installed), and any :class:`GeneralTracker`, passed as an object or registered by name. Packages load when a tracker
-starts. Accelerate's other names (aim, clearml, dvclive, swanlab, trackio) raise an error listing the supported ones.
+starts. Accelerate's other names (aim, clearml, dvclive, swanlab, trackio) raise an error listing the supported ones;
+their classes (``AimTracker``, ...) exist for imports and raise when constructed (see ``unimplemented``).
 """
 
 from lightning_accel.tracking.base import GeneralTracker, on_main_process
@@ -18,15 +19,27 @@ from lightning_accel.tracking.registry import (
     resolve_trackers,
 )
 from lightning_accel.tracking.tensorboard import TensorBoardTracker
+from lightning_accel.tracking.unimplemented import (
+    AimTracker,
+    ClearMLTracker,
+    DVCLiveTracker,
+    SwanLabTracker,
+    TrackioTracker,
+)
 from lightning_accel.tracking.wandb import WandBTracker
 
 __all__ = [
     "LOGGER_TYPE_TO_CLASS",
+    "AimTracker",
+    "ClearMLTracker",
     "CometMLTracker",
+    "DVCLiveTracker",
     "GeneralTracker",
     "MLflowTracker",
+    "SwanLabTracker",
     "TensorBoardTracker",
     "TrackingMixin",
+    "TrackioTracker",
     "WandBTracker",
     "filter_trackers",
     "get_available_trackers",

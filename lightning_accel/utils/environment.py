@@ -12,6 +12,7 @@ for the launcher. Every function takes ``environ`` (default: ``os.environ``) so 
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_accel.config import _arguments
 from lightning_accel.config._settings import (
+    _FALSE_WORDS,
+    _TRUE_WORDS,
     PLUGIN_BY_TYPE,
     SETTINGS,
     int_parser,
@@ -33,13 +36,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "accelerator_kwargs",
+    "convert_dict_to_env_variables",
     "default_config_file",
     "env_from_settings",
+    "parse_flag_from_env",
     "resolve_settings",
     "settings_from_env",
+    "str_to_bool",
     "strategy_from_env",
     "trainer_kwargs",
 ]
+
+logger = logging.getLogger(__name__)
 
 _TYPE_FLAGS: dict[str, DistributedType] = {
     "ACCELERATE_USE_DEEPSPEED": DistributedType.DEEPSPEED,
@@ -74,11 +82,60 @@ _DYNAMO_DEFAULTS = {
 }
 _TYPE_BY_PLUGIN_OPTION = {entry.option: dtype for dtype, entry in PLUGIN_BY_TYPE.items()}
 _POSITIVE = int_parser(minimum=1)
+_FORBIDDEN_ENV_CHARS = (";", "\n", "<", ">", " ")
 _NON_NEGATIVE = int_parser(minimum=0)
 
 
 def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if environ is None else environ
+
+
+def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
+    """Accelerate's truth words: ``1`` for y, yes, t, true, on, 1 and ``0`` for n, no, f, false, off, 0 (any case).
+
+    Args:
+        value: The text (any case).
+        to_bool: Return ``True``/``False`` instead of Accelerate's default ``1``/``0``.
+
+    Raises:
+        ValueError: For any other text.
+
+    """
+    word = value.lower()
+    if word in _TRUE_WORDS:
+        return True if to_bool else 1
+    if word in _FALSE_WORDS:
+        return False if to_bool else 0
+    raise ValueError(f"invalid truth value {value!r}: use one of {', '.join(_TRUE_WORDS + _FALSE_WORDS)}")
+
+
+def parse_flag_from_env(key: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the variable ``key`` holds a true word (``default`` when unset).
+
+    Raises:
+        ValueError: If the variable holds something other than a truth word.
+
+    """
+    return str_to_bool(_environ(environ).get(key, str(default))) == 1
+
+
+def convert_dict_to_env_variables(current_env: Mapping[str, str]) -> list[str]:
+    """``KEY=value`` lines (each ending in a newline) for an environment file; unsafe or empty entries are left out.
+
+    An entry is left out, with a warning, when its key or value is empty or holds ``;``, a newline, ``<``, ``>`` or a
+    space.
+    """
+    lines = []
+    for key, value in current_env.items():
+        if key and value and not any(char in key + value for char in _FORBIDDEN_ENV_CHARS):
+            lines.append(f"{key}={value}\n")
+        else:
+            logger.warning(
+                "Leaving %s=%s out of the environment file: empty, or holding ; < > a space or a newline",
+                key,
+                value,
+            )
+    return lines
 
 
 def default_config_file(environ: Mapping[str, str] | None = None) -> Path:

@@ -1,77 +1,589 @@
-"""Accelerate's environment checks: which devices, dtypes and packages this machine has."""
+"""Accelerate's environment checks (``accelerate.utils.imports``): which devices, dtypes and packages this machine has.
+
+Package checks never import the package: they look for its module (``importlib.util.find_spec``) and its installed
+distribution (``importlib.metadata``), so asking is cheap and a half-installed directory on ``sys.path`` does not count.
+Device checks import a vendor's torch extension (``torch_npu``, ``habana_frameworks.torch``, ...) only when it is
+installed, as its device cannot be queried otherwise; their answers are cached like Accelerate's.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
-import operator
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
-from packaging.version import Version
+from packaging.version import parse
+
+from lightning_accel.utils.environment import parse_flag_from_env
+from lightning_accel.utils.environment_patching import patch_environment
+from lightning_accel.utils.versions import compare_versions, is_torch_version
 
 __all__ = [
+    "check_cuda_fp8_capability",
+    "deepspeed_required",
+    "is_4bit_bnb_available",
+    "is_8bit_bnb_available",
+    "is_aim_available",
+    "is_amdsmi_available",
     "is_bf16_available",
+    "is_bitsandbytes_multi_backend_available",
+    "is_bnb_available",
+    "is_boto3_available",
+    "is_clearml_available",
+    "is_comet_ml_available",
+    "is_cuda_available",
+    "is_datasets_available",
+    "is_deepspeed_available",
+    "is_dvclive_available",
+    "is_fp8_available",
+    "is_fp16_available",
+    "is_habana_gaudi1",
+    "is_hpu_available",
+    "is_import_timer_available",
+    "is_lomo_available",
+    "is_matplotlib_available",
+    "is_megatron_lm_available",
+    "is_mlflow_available",
+    "is_mlu_available",
     "is_mps_available",
+    "is_msamp_available",
+    "is_musa_available",
+    "is_neuron_available",
     "is_npu_available",
+    "is_numpy_available",
+    "is_pandas_available",
+    "is_peft_available",
+    "is_pippy_available",
+    "is_pynvml_available",
+    "is_pytest_available",
+    "is_rich_available",
+    "is_rocm_available",
+    "is_sagemaker_available",
+    "is_schedulefree_available",
+    "is_sdaa_available",
+    "is_swanlab_available",
+    "is_tensorboard_available",
+    "is_timm_available",
+    "is_torch_distributed_available",
     "is_torch_version",
     "is_torch_xla_available",
+    "is_torchao_available",
+    "is_torchdata_available",
+    "is_torchdata_stateful_dataloader_available",
+    "is_torchvision_available",
+    "is_tqdm_available",
+    "is_trackio_available",
+    "is_transformer_engine_available",
+    "is_transformer_engine_mxfp8_available",
+    "is_transformers_available",
+    "is_triton_available",
+    "is_wandb_available",
+    "is_weights_only_available",
+    "is_xccl_available",
     "is_xpu_available",
+    "torchao_required",
 ]
 
-_COMPARISONS: dict[str, Callable[[Version, Version], bool]] = {
-    "<": operator.lt,
-    "<=": operator.le,
-    "==": operator.eq,
-    "!=": operator.ne,
-    ">=": operator.ge,
-    ">": operator.gt,
-}
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def is_torch_xla_available() -> bool:
-    """Whether ``torch_xla`` is installed."""
-    return importlib.util.find_spec("torch_xla") is not None
-
-
-def is_mps_available() -> bool:
-    """Whether Apple's MPS device can be used."""
-    return bool(torch.backends.mps.is_available())
-
-
-def is_xpu_available() -> bool:
-    """Whether an Intel XPU is present (in a torch build with XPU support)."""
-    return bool(torch.xpu.is_available())
-
-
-def is_npu_available() -> bool:
-    """Whether ``torch_npu`` is installed and sees an Ascend NPU."""
-    if importlib.util.find_spec("torch_npu") is None:
+def _is_package_available(module: str, distribution: str | None = None) -> bool:
+    """Whether ``module`` can be imported and comes from an installed distribution (default: the module's name)."""
+    if importlib.util.find_spec(module) is None:
         return False
-    import torch_npu  # noqa: F401  (registers torch.npu)
+    try:
+        importlib.metadata.metadata(distribution or module)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
-    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+def _at_least(distribution: str, minimum: str) -> bool:
+    """Whether ``distribution`` is installed in version ``minimum`` or newer."""
+    return compare_versions(parse(importlib.metadata.version(distribution)), ">=", minimum)
+
+
+# ---- packages ------------------------------------------------------------------------------------------------------
+
+
+def is_import_timer_available() -> bool:
+    """Whether ``import_timer`` (the tuna-compatible import profiler) is installed."""
+    return _is_package_available("import_timer")
+
+
+def is_pynvml_available() -> bool:
+    """Whether NVML's Python bindings are installed (``pynvml`` or ``nvidia-ml-py``)."""
+    return _is_package_available("pynvml") or _is_package_available("pynvml", "nvidia-ml-py")
+
+
+def is_amdsmi_available() -> bool:
+    """Whether AMD SMI's Python bindings are installed."""
+    return _is_package_available("amdsmi")
+
+
+def is_pytest_available() -> bool:
+    """Whether pytest is installed."""
+    return _is_package_available("pytest")
+
+
+def is_msamp_available() -> bool:
+    """Whether MS-AMP is installed."""
+    return _is_package_available("msamp", "ms-amp")
+
+
+def is_schedulefree_available() -> bool:
+    """Whether ``schedulefree`` is installed."""
+    return _is_package_available("schedulefree")
+
+
+def is_transformer_engine_available() -> bool:
+    """Whether Transformer Engine is installed (Intel's build on Gaudi)."""
+    if is_hpu_available():
+        return _is_package_available("intel_transformer_engine", "intel-transformer-engine")
+    return _is_package_available("transformer_engine", "transformer-engine")
+
+
+def is_transformer_engine_mxfp8_available() -> bool:
+    """Whether Transformer Engine is installed and reports MXFP8 support on this GPU (it is imported to ask)."""
+    if not _is_package_available("transformer_engine", "transformer-engine"):
+        return False
+    from transformer_engine.pytorch.fp8 import check_mxfp8_support
+
+    return bool(check_mxfp8_support()[0])
+
+
+def is_lomo_available() -> bool:
+    """Whether ``lomo_optim`` is installed."""
+    return _is_package_available("lomo_optim")
+
+
+def is_torchao_available() -> bool:
+    """Whether torchao 0.6.1 or newer is installed."""
+    return _is_package_available("torchao") and _at_least("torchao", "0.6.1")
+
+
+def is_deepspeed_available() -> bool:
+    """Whether DeepSpeed is installed."""
+    return _is_package_available("deepspeed")
+
+
+def is_pippy_available() -> bool:
+    """Whether torch's pipeline parallelism (``torch.distributed.pipelining``, torch 2.4+) is available."""
+    return is_torch_version(">=", "2.4.0")
+
+
+def is_4bit_bnb_available() -> bool:
+    """Whether bitsandbytes 0.39.0 or newer (4-bit) is installed."""
+    return _is_package_available("bitsandbytes") and _at_least("bitsandbytes", "0.39.0")
+
+
+def is_8bit_bnb_available() -> bool:
+    """Whether bitsandbytes 0.37.2 or newer (8-bit) is installed."""
+    return _is_package_available("bitsandbytes") and _at_least("bitsandbytes", "0.37.2")
+
+
+def is_bnb_available(min_version: str | None = None) -> bool:
+    """Whether bitsandbytes is installed (in ``min_version`` or newer, when given)."""
+    if not _is_package_available("bitsandbytes"):
+        return False
+    return min_version is None or _at_least("bitsandbytes", min_version)
+
+
+def is_bitsandbytes_multi_backend_available() -> bool:
+    """Whether the installed bitsandbytes has its multi-backend feature (it is imported to ask)."""
+    if not is_bnb_available():
+        return False
+    import bitsandbytes
+
+    return "multi_backend" in getattr(bitsandbytes, "features", set())
+
+
+def is_torchvision_available() -> bool:
+    """Whether torchvision is installed."""
+    return _is_package_available("torchvision")
+
+
+def is_megatron_lm_available() -> bool:
+    """Whether Megatron-LM is asked for (``ACCELERATE_USE_MEGATRON_LM``) and installed (megatron-core 0.8+)."""
+    if not parse_flag_from_env("ACCELERATE_USE_MEGATRON_LM") or importlib.util.find_spec("megatron") is None:
+        return False
+    try:
+        new_enough = _at_least("megatron-core", "0.8.0")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return new_enough and importlib.util.find_spec("megatron.training") is not None
+
+
+def is_transformers_available() -> bool:
+    """Whether transformers is installed."""
+    return _is_package_available("transformers")
+
+
+def is_datasets_available() -> bool:
+    """Whether datasets is installed."""
+    return _is_package_available("datasets")
+
+
+def is_peft_available() -> bool:
+    """Whether PEFT is installed."""
+    return _is_package_available("peft")
+
+
+def is_timm_available() -> bool:
+    """Whether timm is installed."""
+    return _is_package_available("timm")
+
+
+def is_triton_available() -> bool:
+    """Whether Triton is installed (``triton-xpu`` on an Intel XPU)."""
+    if is_xpu_available():
+        return _is_package_available("triton", "triton-xpu")
+    return _is_package_available("triton")
+
+
+def is_aim_available() -> bool:
+    """Whether Aim below 4.0 (the API the tracker uses) is installed."""
+    return _is_package_available("aim") and compare_versions(parse(importlib.metadata.version("aim")), "<", "4.0.0")
+
+
+def is_tensorboard_available() -> bool:
+    """Whether tensorboard or tensorboardX is installed."""
+    return _is_package_available("tensorboard") or _is_package_available("tensorboardX")
+
+
+def is_wandb_available() -> bool:
+    """Whether Weights & Biases is installed."""
+    return _is_package_available("wandb")
+
+
+def is_comet_ml_available() -> bool:
+    """Whether Comet ML is installed."""
+    return _is_package_available("comet_ml")
+
+
+def is_swanlab_available() -> bool:
+    """Whether SwanLab is installed."""
+    return _is_package_available("swanlab")
+
+
+def is_trackio_available() -> bool:
+    """Whether Trackio is installed (it needs Python 3.10+)."""
+    return sys.version_info >= (3, 10) and _is_package_available("trackio")
+
+
+def is_boto3_available() -> bool:
+    """Whether boto3 is installed."""
+    return _is_package_available("boto3")
+
+
+def is_rich_available() -> bool:
+    """Whether rich is installed and asked for with ``ACCELERATE_ENABLE_RICH``."""
+    return _is_package_available("rich") and parse_flag_from_env("ACCELERATE_ENABLE_RICH")
+
+
+def is_sagemaker_available() -> bool:
+    """Whether the SageMaker SDK is installed."""
+    return _is_package_available("sagemaker")
+
+
+def is_tqdm_available() -> bool:
+    """Whether tqdm is installed."""
+    return _is_package_available("tqdm")
+
+
+def is_clearml_available() -> bool:
+    """Whether ClearML is installed."""
+    return _is_package_available("clearml")
+
+
+def is_pandas_available() -> bool:
+    """Whether pandas is installed."""
+    return _is_package_available("pandas")
+
+
+def is_matplotlib_available() -> bool:
+    """Whether matplotlib is installed."""
+    return _is_package_available("matplotlib")
+
+
+def is_mlflow_available() -> bool:
+    """Whether MLflow is installed (the full ``mlflow`` or ``mlflow-skinny``)."""
+    return _is_package_available("mlflow") or _is_package_available("mlflow", "mlflow-skinny")
+
+
+def is_dvclive_available() -> bool:
+    """Whether DVCLive is installed."""
+    return _is_package_available("dvclive")
+
+
+def is_torchdata_available() -> bool:
+    """Whether torchdata is installed."""
+    return _is_package_available("torchdata")
+
+
+def is_torchdata_stateful_dataloader_available() -> bool:
+    """Whether torchdata 0.8.0 or newer (with ``StatefulDataLoader``) is installed."""
+    return _is_package_available("torchdata") and _at_least("torchdata", "0.8.0")
+
+
+def is_weights_only_available() -> bool:
+    """Whether ``torch.load(weights_only=True)`` takes an allow-list of globals (torch 2.4+)."""
+    return is_torch_version(">=", "2.4.0")
+
+
+def is_numpy_available(min_version: str = "1.25.0") -> bool:
+    """Whether numpy ``min_version`` or newer is installed.
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: If numpy is not installed at all (as in Accelerate).
+
+    """
+    return _at_least("numpy", min_version)
+
+
+# ---- devices and dtypes ------------------------------------------------------------------------------------------
+
+
+def is_torch_distributed_available() -> bool:
+    """Whether this torch build has ``torch.distributed``."""
+    return bool(torch.distributed.is_available())
+
+
+def is_xccl_available() -> bool:
+    """Whether torch has Intel's XCCL collective backend (torch 2.7+)."""
+    if not is_torch_version(">=", "2.7.0") or not torch.distributed.is_available():
+        return False
+    return bool(torch.distributed.distributed_c10d.is_xccl_available())
+
+
+def is_rocm_available() -> bool:
+    """Whether this is a ROCm (HIP) build of torch with a GPU."""
+    return torch.version.hip is not None and torch.cuda.is_available()
+
+
+def is_cuda_available() -> bool:
+    """Whether a CUDA GPU is usable, asked through NVML so that CUDA is not initialised by the question."""
+    with patch_environment(PYTORCH_NVML_BASED_CUDA_CHECK="1"):
+        return bool(torch.cuda.is_available())
+
+
+@functools.lru_cache
+def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = False) -> bool:
+    """Whether ``torch_xla`` is installed (and ``USE_TORCH_XLA`` is not off), optionally on a TPU or a GPU.
+
+    Raises:
+        ValueError: If both ``check_is_tpu`` and ``check_is_gpu`` are set.
+
+    """
+    if check_is_tpu and check_is_gpu:
+        raise ValueError("check_is_tpu and check_is_gpu ask for different devices; set at most one of them")
+    if not parse_flag_from_env("USE_TORCH_XLA", default=True) or importlib.util.find_spec("torch_xla") is None:
+        return False
+    if not (check_is_tpu or check_is_gpu):
+        return True
+    import torch_xla.runtime
+
+    device = torch_xla.runtime.device_type()
+    return device == "TPU" if check_is_tpu else device in ("GPU", "CUDA")
+
+
+def is_mps_available(min_version: str = "1.12") -> bool:
+    """Whether Apple's MPS device can be used, with torch ``min_version`` or newer."""
+    return (
+        is_torch_version(">=", min_version)
+        and bool(torch.backends.mps.is_available())
+        and bool(torch.backends.mps.is_built())
+    )
+
+
+def _vendor_device(module: str, device: str, check_device: bool) -> bool:
+    """Whether the torch extension ``module`` is installed and ``torch.<device>`` sees a device.
+
+    With ``check_device`` the device count is asked first, and a runtime error (no device) means no.
+    """
+    if importlib.util.find_spec(module) is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception:  # a vendor build that cannot load here (no driver) has no usable device
+        return False
+    backend = getattr(torch, device, None)
+    if backend is None:
+        return False
+    if check_device:
+        try:
+            backend.device_count()
+        except RuntimeError:
+            return False
+    return bool(backend.is_available())
+
+
+@functools.lru_cache
+def is_mlu_available(check_device: bool = False) -> bool:
+    """Whether ``torch_mlu`` is installed and sees a Cambricon MLU (asked through CNDEV, without initialising it).
+
+    ``check_device`` is accepted for Accelerate's signature; the CNDEV check already looks for a device.
+    """
+    del check_device
+    if importlib.util.find_spec("torch_mlu") is None:
+        return False
+    importlib.import_module("torch_mlu")
+    with patch_environment(PYTORCH_CNDEV_BASED_MLU_CHECK="1"):
+        return bool(torch.mlu.is_available())  # type: ignore[attr-defined]
+
+
+@functools.lru_cache
+def is_musa_available(check_device: bool = False) -> bool:
+    """Whether ``torch_musa`` is installed and sees a Moore Threads GPU."""
+    return _vendor_device("torch_musa", "musa", check_device)
+
+
+@functools.lru_cache
+def is_npu_available(check_device: bool = False) -> bool:
+    """Whether ``torch_npu`` is installed and sees an Ascend NPU."""
+    return _vendor_device("torch_npu", "npu", check_device)
+
+
+@functools.lru_cache
+def is_sdaa_available(check_device: bool = False) -> bool:
+    """Whether ``torch_sdaa`` is installed and sees a Tecorigin SDAA."""
+    return _vendor_device("torch_sdaa", "sdaa", check_device)
+
+
+@functools.lru_cache
+def is_neuron_available(check_device: bool = False) -> bool:
+    """Whether ``torch_neuronx`` is installed and sees an AWS Neuron core."""
+    return _vendor_device("torch_neuronx", "neuron", check_device)
+
+
+@functools.lru_cache
+def is_hpu_available(init_hccl: bool = False) -> bool:
+    """Whether Habana's torch bridge is installed and sees a Gaudi (loading its HCCL backend with ``init_hccl``)."""
+    if (
+        importlib.util.find_spec("habana_frameworks") is None
+        or importlib.util.find_spec("habana_frameworks.torch") is None
+    ):
+        return False
+    importlib.import_module("habana_frameworks.torch")
+    if init_hccl:
+        importlib.import_module("habana_frameworks.torch.distributed.hccl")
+    return hasattr(torch, "hpu") and bool(torch.hpu.is_available())
+
+
+def is_habana_gaudi1() -> bool:
+    """Whether the Habana device is a first-generation Gaudi (which has no fp16 or fp8)."""
+    if not is_hpu_available():
+        return False
+    experimental: Any = importlib.import_module("habana_frameworks.torch.utils.experimental")
+    return bool(experimental._get_device_type() == experimental.synDeviceType.synDeviceGaudi)
+
+
+@functools.lru_cache
+def is_xpu_available(check_device: bool = False) -> bool:
+    """Whether an Intel XPU is usable through stock torch (2.7+)."""
+    if is_torch_version("<=", "2.6"):
+        return False
+    if check_device:
+        try:
+            torch.xpu.device_count()
+        except RuntimeError:
+            return False
+    return hasattr(torch, "xpu") and bool(torch.xpu.is_available())
+
+
+def _nvidia_smi_capability() -> tuple[int, ...] | None:
+    """The first GPU's compute capability as ``nvidia-smi`` reports it (``None`` without a working nvidia-smi)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    query = [smi, "--query-gpu=compute_capability", "--format=csv,noheader"]
+    try:
+        first = subprocess.run(query, capture_output=True, text=True, check=True, timeout=30).stdout.split()[0]
+        return tuple(int(part) for part in first.split("."))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+
+
+@functools.lru_cache
+def check_cuda_fp8_capability() -> bool:
+    """Whether the first CUDA GPU can compute in fp8 (compute capability 8.9 or newer: Ada, Hopper, Blackwell).
+
+    The capability is read from ``nvidia-smi`` when it answers, so CUDA is not initialised; otherwise from torch.
+
+    Raises:
+        RuntimeError: If there is no CUDA GPU to ask about (check ``torch.cuda.is_available()`` first).
+
+    """
+    capability = _nvidia_smi_capability()
+    if capability is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("check_cuda_fp8_capability needs a CUDA GPU, and none is visible here (nor nvidia-smi)")
+        capability = tuple(torch.cuda.get_device_capability())
+    return capability >= (8, 9)
 
 
 def is_bf16_available(ignore_tpu: bool = False) -> bool:
-    """Whether bf16 can be used here: on CUDA when the GPU supports it, on CPU always.
+    """Whether bf16 can be used here.
 
-    ``ignore_tpu`` is accepted for Accelerate's signature (there is no XLA support yet).
+    On a TPU unless ``ignore_tpu``; on a GPU, MLU or XPU that supports it; on MPS from macOS 14; always on CPU.
     """
-    del ignore_tpu
-    if torch.cuda.is_available():
+    if is_torch_xla_available(check_is_tpu=True):
+        return not ignore_tpu
+    if is_cuda_available():
         return bool(torch.cuda.is_bf16_supported())
+    if is_mlu_available():
+        return bool(torch.mlu.is_bf16_supported())  # type: ignore[attr-defined]
+    if is_xpu_available():
+        return bool(torch.xpu.is_bf16_supported())
     if is_mps_available():
         return bool(torch.backends.mps.is_macos_or_newer(14, 0))
     return True
 
 
-def is_torch_version(operation: str, version: str) -> bool:
-    """Compare the installed torch with ``version``: ``is_torch_version(">=", "2.4")``.
+def is_fp16_available() -> bool:
+    """Whether fp16 can be used (everywhere but a first-generation Gaudi)."""
+    return not is_habana_gaudi1()
 
-    Raises:
-        ValueError: For an unknown comparison.
 
-    """
-    if operation not in _COMPARISONS:
-        raise ValueError(f"Unknown comparison {operation!r}; use one of {', '.join(_COMPARISONS)}.")
-    return _COMPARISONS[operation](Version(Version(torch.__version__).base_version), Version(version))
+def is_fp8_available() -> bool:
+    """Whether an fp8 backend is installed: MS-AMP, Transformer Engine or torchao (the device is not checked)."""
+    return is_msamp_available() or is_transformer_engine_available() or is_torchao_available()
+
+
+# ---- decorators ----------------------------------------------------------------------------------------------------
+
+
+def torchao_required(func: _F) -> _F:
+    """Make ``func`` raise ``ImportError`` (naming the install command) when torchao is missing."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not is_torchao_available():
+            raise ImportError(f"{func.__name__} needs torchao 0.6.1 or newer: `pip install torchao`")
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def deepspeed_required(func: _F) -> _F:
+    """Make ``func`` raise ``ValueError`` when the configured ``Accelerator`` does not run DeepSpeed."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from lightning_accel.enums import DistributedType
+        from lightning_accel.state import AcceleratorState
+
+        if AcceleratorState._shared_state and AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
+            raise ValueError(
+                f"{func.__name__} needs DeepSpeed, but the Accelerator runs {AcceleratorState().distributed_type}; "
+                "create the Accelerator with a deepspeed_plugin (or launch with a DeepSpeed config) first"
+            )
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -7,6 +7,7 @@ under its timeout; without a process group, or with one process, they return the
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,19 +16,23 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "CannotPadNestedTensorWarning",
     "DistributedOperationException",
     "broadcast",
     "broadcast_object_list",
     "concatenate",
     "convert_outputs_to_fp32",
     "convert_to_fp32",
+    "copy_tensor_to_devices",
     "find_batch_size",
+    "find_device",
     "gather",
     "gather_object",
     "is_namedtuple",
     "is_torch_tensor",
     "listify",
     "pad_across_processes",
+    "pad_input_tensors",
     "recursively_apply",
     "reduce",
     "send_to_device",
@@ -235,8 +240,15 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     return recursively_apply(reduce_one, tensor, error_on_other_type=True)
 
 
+class CannotPadNestedTensorWarning(UserWarning):
+    """A nested (jagged) tensor was given to :func:`pad_across_processes`, which returns it unpadded."""
+
+
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad ``tensor`` along ``dim`` with ``pad_index`` to the largest size any process has, so it can be gathered.
+
+    A nested tensor has no single size to pad to: it is returned as it is, with a
+    :class:`CannotPadNestedTensorWarning`. A ``dim`` outside the tensor's dimensions leaves it unchanged.
 
     Args:
         tensor: The data to pad.
@@ -247,6 +259,14 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
     """
 
     def pad_one(value: Tensor) -> Tensor:
+        if value.is_nested:
+            warnings.warn(
+                "pad_across_processes cannot pad a nested tensor (its rows have different sizes); it is returned "
+                "unpadded: pad its rows into a regular tensor first",
+                CannotPadNestedTensorWarning,
+                stacklevel=4,
+            )
+            return value
         if _world_size() == 1 or dim >= value.ndim or dim < -value.ndim:
             return value
         size = torch.tensor(value.shape, device=value.device)[None]
@@ -263,6 +283,84 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         return padded
 
     return recursively_apply(pad_one, tensor, error_on_other_type=True)
+
+
+def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+    """Pad every tensor in ``tensor`` with zero rows to a multiple of ``num_processes``, so each process gets a share.
+
+    ``batch_size`` is the size of ``dim`` (e.g. from :func:`find_batch_size`); it grows to the smallest multiple of
+    ``num_processes`` that holds it (4 rows on 3 processes become 6, 1 row on 6 processes becomes 6). Accelerate
+    1.15 pads divisible sizes too (2 rows on 2 processes become 3) and some others past a multiple (7 on 4 become 10);
+    here a divisible batch is returned as it is.
+
+    Raises:
+        ValueError: If ``batch_size`` is negative or ``num_processes`` below 1.
+
+    """
+    if batch_size < 0 or num_processes < 1:
+        raise ValueError(
+            f"pad_input_tensors needs batch_size >= 0 and num_processes >= 1, got {batch_size} and {num_processes}"
+        )
+    target = -(-batch_size // num_processes) * num_processes
+
+    def pad_one(value: Tensor) -> Tensor:
+        if target == batch_size:
+            return value
+        shape = list(value.shape)
+        shape[dim] = target
+        padded = value.new_zeros(shape)
+        index = [slice(None)] * value.ndim
+        index[dim] = slice(0, value.shape[dim])
+        padded[tuple(index)] = value
+        return padded
+
+    return recursively_apply(pad_one, tensor, error_on_other_type=True)
+
+
+def copy_tensor_to_devices(tensor: Tensor | None = None) -> Tensor:
+    """Give every process the tensor that one process holds, without the others knowing its shape or dtype.
+
+    Exactly one process passes the tensor; the others pass ``None``. Its shape and dtype are broadcast first, then its
+    values (a copy, on this process's device, on every process).
+
+    Raises:
+        ValueError: If no process, or more than one, passes a tensor.
+
+    """
+    from lightning_accel.state import PartialState
+
+    device = PartialState().device
+    if _world_size() == 1:
+        if tensor is None:
+            raise ValueError("copy_tensor_to_devices got None on the only process; pass the tensor to copy")
+        return tensor.clone().to(device)
+    holders: list[Any] = [None] * _world_size()
+    description = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+    dist.all_gather_object(holders, description)
+    sources = [rank for rank, held in enumerate(holders) if held is not None]
+    if len(sources) != 1:
+        raise ValueError(
+            f"copy_tensor_to_devices needs the tensor on exactly one process and None on the others; processes "
+            f"{sources} passed one"
+        )
+    shape, dtype = holders[sources[0]]
+    result = tensor.clone().to(device) if tensor is not None else torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(result, src=sources[0])
+    return result
+
+
+def find_device(data: Any) -> torch.device | None:
+    """The device of the first tensor found in ``data`` (nested lists, tuples and mappings), ``None`` without one."""
+    if isinstance(data, Tensor):
+        return data.device
+    if isinstance(data, Mapping):
+        data = list(data.values())
+    if isinstance(data, (list, tuple)):
+        for item in data:
+            device = find_device(item)
+            if device is not None:
+                return device
+    return None
 
 
 def concatenate(data: Sequence[Any], dim: int = 0) -> Any:

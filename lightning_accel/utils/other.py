@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import os
+import platform
+import re
+import socket
 from typing import Any, cast
 
 import torch
+from packaging.version import Version
 
+from lightning_accel.logging import get_logger
 from lightning_accel.state import PartialState
 
-__all__ = ["extract_model_from_parallel", "is_compiled_module", "load", "save", "wait_for_everyone"]
+__all__ = [
+    "check_os_kernel",
+    "extract_model_from_parallel",
+    "get_free_port",
+    "get_model_tp_size",
+    "is_compiled_module",
+    "is_port_in_use",
+    "load",
+    "save",
+    "wait_for_everyone",
+]
+
+logger = get_logger(__name__)
+_MIN_LINUX_KERNEL = "5.5.0"
 
 
 def save(
@@ -77,3 +95,49 @@ def extract_model_from_parallel(
     if not keep_torch_compile and is_compiled_module(model):
         model = cast(torch.nn.Module, model._orig_mod)
     return model
+
+
+def get_model_tp_size(model: torch.nn.Module) -> int | None:
+    """The tensor-parallel degree a ``transformers`` model was sharded with, ``None`` when it was not.
+
+    transformers before 5 keeps it on the model (``model.tp_size``); from 5 on, in the model config's
+    ``distributed_config`` (a dict or an object with a ``tp_size`` attribute).
+    """
+    tp_size = getattr(model, "tp_size", None)
+    if tp_size is not None:
+        return int(tp_size)
+    distributed_config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if isinstance(distributed_config, dict):
+        found = distributed_config.get("tp_size")
+    else:
+        found = getattr(distributed_config, "tp_size", None)
+    return None if found is None else int(found)
+
+
+def check_os_kernel() -> None:
+    """Warn (on the main process) when a Linux kernel is older than 5.5, on which distributed runs can hang."""
+    info = platform.uname()
+    if info.system != "Linux":
+        return
+    match = re.search(r"\d+\.\d+\.\d+", info.release)
+    if match is None:
+        return
+    if Version(match.group()) < Version(_MIN_LINUX_KERNEL):
+        logger.warning(
+            f"Linux kernel {match.group()} is older than {_MIN_LINUX_KERNEL}, the oldest on which distributed runs "
+            "are known not to hang; upgrade the kernel to that version or newer.",
+            main_process_only=True,
+        )
+
+
+def is_port_in_use(port: int | None = None) -> bool:
+    """Whether something accepts connections on ``localhost:port`` (default 29500, torchrun's port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(("localhost", 29500 if port is None else port)) == 0
+
+
+def get_free_port() -> int:
+    """A TCP port the operating system reports free right now (another process may take it before it is used)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
