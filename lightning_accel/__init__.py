@@ -8,6 +8,16 @@ imported only when a feature that needs them is used.
 
 from lightning_accel.accelerator import Accelerator
 from lightning_accel.accelerators import register_accelerators
+from lightning_accel.big_modeling import (
+    attach_layerwise_casting_hooks,
+    cpu_offload,
+    cpu_offload_with_hook,
+    disk_offload,
+    dispatch_model,
+    init_empty_weights,
+    init_on_device,
+    load_checkpoint_and_dispatch,
+)
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -22,6 +32,10 @@ from lightning_accel.enums import DDPCommunicationHookType, DistributedType, Pre
 from lightning_accel.state import AcceleratorState, GradientState, PartialState
 from lightning_accel.strategies import register_strategies, strategy_for
 from lightning_accel.utils.memory import find_executable_batch_size
+from lightning_accel.utils.modeling import (
+    infer_auto_device_map,
+    load_checkpoint_in_model,
+)
 
 __version__ = "0.1.0"
 
@@ -44,7 +58,17 @@ __all__ = [
     "PartialState",
     "PrecisionType",
     "__version__",
+    "attach_layerwise_casting_hooks",
+    "cpu_offload",
+    "cpu_offload_with_hook",
+    "disk_offload",
+    "dispatch_model",
     "find_executable_batch_size",
+    "infer_auto_device_map",
+    "init_empty_weights",
+    "init_on_device",
+    "load_checkpoint_and_dispatch",
+    "load_checkpoint_in_model",
     "skip_first_batches",
     "strategy_for",
 ]

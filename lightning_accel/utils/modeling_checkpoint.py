@@ -1,0 +1,367 @@
+"""Accelerate's checkpoint loading for big models: whole or sharded checkpoints, weights sent where a device map says.
+
+A checkpoint is a ``.bin`` (``torch.save``) or ``.safetensors`` file, the ``.index.json`` of a sharded one, or a
+folder holding one of those. With a device map, each tensor goes to its module's device as its shard is read;
+``"disk"`` tensors are written to the offload folder instead (memory-mapped ``.dat`` files), so a model larger than
+RAM can be loaded one shard at a time.
+
+One difference from Accelerate 1.15: a non-offloaded buffer of a ``"disk"`` module gets the checkpoint's value (on
+the CPU); Accelerate left it as the model was built, so e.g. a BatchNorm's running statistics were lost.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file as safe_load_file
+from torch import nn
+
+from lightning_accel.utils.constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+from lightning_accel.utils.modeling_sizes import DtypeLike, _as_dtype
+from lightning_accel.utils.modeling_tensors import (
+    DeviceLike,
+    check_tied_parameters_in_config,
+    check_tied_parameters_on_same_device,
+    find_tied_parameters,
+    resolve_device,
+    retie_parameters,
+    set_module_tensor_to_device,
+)
+from lightning_accel.utils.offload import load_offloaded_weight, offload_weight, save_offload_index
+
+__all__ = ["load_checkpoint_in_model", "load_offloaded_weights", "load_state_dict"]
+
+logger = logging.getLogger(__name__)
+
+
+def _device_name(device: DeviceLike) -> str:
+    return str(resolve_device(device))
+
+
+def _check_safetensors_format(checkpoint_file: str, metadata: Mapping[str, str] | None) -> None:
+    if metadata is None:
+        logger.warning(
+            f"The safetensors archive passed at {checkpoint_file} does not contain metadata. Make sure to save your "
+            "model with the `save_pretrained` method. Defaulting to 'pt' metadata."
+        )
+        return
+    if metadata.get("format") not in ("pt", "tf", "flax"):
+        raise OSError(
+            f"The safetensors archive passed at {checkpoint_file} does not contain the valid metadata. Make sure you "
+            "save your model with the `save_pretrained` method."
+        )
+    if metadata["format"] != "pt":
+        raise ValueError(f"The checkpoint passed was saved with {metadata['format']}, we need a the pt format.")
+
+
+def _owning_entry(name: str, device_map: Mapping[str, Any]) -> str | None:
+    """The device-map key covering tensor ``name`` (the longest prefix), or ``None``."""
+    while name not in device_map:
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
+    return name
+
+
+def load_state_dict(
+    checkpoint_file: str | os.PathLike[str], device_map: Mapping[str, DeviceLike] | None = None
+) -> dict[str, torch.Tensor]:
+    """Read a checkpoint file; a safetensors one is read straight onto the devices ``device_map`` gives.
+
+    Args:
+        checkpoint_file: A ``.safetensors`` file or a ``torch.save`` file (read with ``weights_only=True``).
+        device_map: Module names to devices; ``"disk"`` tensors, and tensors without an entry, are read to the CPU.
+
+    Raises:
+        OSError: For a safetensors file whose metadata names no known format.
+        ValueError: For a safetensors file saved by another framework.
+
+    """
+    checkpoint_file = os.fspath(checkpoint_file)
+    if not checkpoint_file.endswith(".safetensors"):
+        loaded: dict[str, torch.Tensor] = torch.load(checkpoint_file, map_location="cpu", weights_only=True)
+        return loaded
+    with safe_open(checkpoint_file, framework="pt") as f:
+        metadata = f.metadata()
+        names = list(f.keys())
+    _check_safetensors_format(checkpoint_file, metadata)
+    if device_map is None:
+        return safe_load_file(checkpoint_file)
+    devices = set(device_map.values())
+    if len(devices) == 1 and "disk" not in devices:
+        return safe_load_file(checkpoint_file, device=_device_name(next(iter(devices))))
+
+    tensors: dict[str, torch.Tensor] = {}
+    by_device: dict[str, list[str]] = {}
+    for name in names:
+        entry = _owning_entry(name, device_map)
+        device = "cpu" if entry is None or device_map[entry] == "disk" else _device_name(device_map[entry])
+        by_device.setdefault(device, []).append(name)
+    for device, device_names in by_device.items():
+        with safe_open(checkpoint_file, framework="pt", device=device) as f:
+            for name in device_names:
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_offloaded_weights(
+    model: nn.Module, index: Mapping[str, Any] | None, offload_folder: str | os.PathLike[str]
+) -> None:
+    """Load the ``.dat`` weights listed in ``index`` from ``offload_folder`` into ``model``, on the CPU.
+
+    Args:
+        model: The model.
+        index: Tensor names to their ``dtype``/``shape`` (an offload folder's ``index.json``).
+        offload_folder: The folder holding the ``.dat`` files.
+
+    """
+    for name, info in (index or {}).items():
+        if "SCB" in name:
+            continue
+        statistics_name = name.replace("weight", "SCB")
+        statistics = None
+        if "weight" in name and statistics_name in index:  # type: ignore[operator]
+            statistics_file = os.path.join(offload_folder, f"{statistics_name}.dat")
+            statistics = load_offloaded_weight(statistics_file, index[statistics_name])  # type: ignore[index]
+        weight = load_offloaded_weight(os.path.join(offload_folder, f"{name}.dat"), info)
+        set_module_tensor_to_device(model, name, "cpu", value=weight, fp16_statistics=statistics)
+
+
+def _checkpoint_files(checkpoint: str | os.PathLike[str]) -> list[str]:
+    """The files a checkpoint path stands for: itself, its index's shards, or the folder's weights or shards."""
+    checkpoint = os.fspath(checkpoint)
+    index_file = None
+    if os.path.isfile(checkpoint):
+        if not checkpoint.endswith(".json"):
+            return [checkpoint]
+        index_file = checkpoint
+    elif os.path.isdir(checkpoint):
+        for whole in (WEIGHTS_NAME, SAFE_WEIGHTS_NAME):
+            if os.path.isfile(os.path.join(checkpoint, whole)):
+                return [os.path.join(checkpoint, whole)]
+        indexes = [f for f in os.listdir(checkpoint) if f.endswith(".index.json")]
+        if not indexes:
+            raise ValueError(
+                f"{checkpoint} is not a folder containing a `.index.json` file or a {WEIGHTS_NAME} or a "
+                f"{SAFE_WEIGHTS_NAME} file"
+            )
+        if len(indexes) > 1:
+            raise ValueError(f"{checkpoint} containing more than one `.index.json` file, delete the irrelevant ones.")
+        index_file = os.path.join(checkpoint, indexes[0])
+    else:
+        raise ValueError(
+            "`checkpoint` should be the path to a file containing a whole state dict, or the index of a sharded "
+            f"checkpoint, or a folder containing a sharded checkpoint or the whole state dict, but got {checkpoint}."
+        )
+    with open(index_file) as f:
+        index = json.load(f)
+    weight_map = index.get("weight_map", index)
+    folder = os.path.dirname(index_file)
+    return [os.path.join(folder, shard) for shard in sorted(set(weight_map.values()))]
+
+
+def _load_without_device_map(
+    model: nn.Module,
+    checkpoint_file: str,
+    strict: bool,
+    full_state_dict: bool,
+    broadcast_from_rank0: bool,
+) -> set[str]:
+    """Load one file with torch's state-dict loading; returns the checkpoint's names."""
+    tensors = list(model.state_dict().values())
+    physical = {t.device for t in tensors if isinstance(t, torch.Tensor)} - {torch.device("meta")}
+    if len(physical) > 1:
+        whole = load_state_dict(checkpoint_file)
+        model.load_state_dict(whole, strict=strict)
+        return set(whole)
+    # torch's loader also takes DTensor / FSDP2-sharded models, and can broadcast the full checkpoint from rank 0.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reads_file = not broadcast_from_rank0 or torch.distributed.get_rank() == 0
+    loaded: dict[str, Any] = dict(load_state_dict(checkpoint_file)) if reads_file else {}
+    options = StateDictOptions(
+        full_state_dict=full_state_dict, strict=strict, broadcast_from_rank0=broadcast_from_rank0
+    )
+    set_model_state_dict(model, loaded, options=options)
+    return set(loaded)
+
+
+def _keeps_fp32(name: str, keep_in_fp32_modules: Iterable[str]) -> bool:
+    return any((key in name and f"{key}." in name) or key == name for key in keep_in_fp32_modules)
+
+
+class _ShardLoader:
+    """Places the tensors of checkpoint shards as a device map says (the state of one load)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device_map: Mapping[str, DeviceLike],
+        offload_folder: str | os.PathLike[str] | None,
+        dtype: torch.dtype | None,
+        offload_state_dict: bool,
+        offload_buffers: bool,
+        keep_in_fp32_modules: list[str] | None,
+    ) -> None:
+        self.model = model
+        self.device_map = device_map
+        self.offload_folder = offload_folder
+        self.dtype = dtype
+        self.offload_buffers = offload_buffers
+        self.keep_in_fp32_modules = keep_in_fp32_modules
+        self.model_keys = set(model.state_dict())
+        self.buffer_names = {name for name, _ in model.named_buffers()}
+        self.offload_index: dict[str, Any] = {}
+        self.state_dict_folder = tempfile.mkdtemp() if offload_state_dict else None
+        self.state_dict_index: dict[str, Any] = {}
+
+    def _target_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype | None:
+        if self.dtype is None or not torch.is_floating_point(tensor):
+            return self.dtype
+        keep = self.keep_in_fp32_modules is not None and self.dtype == torch.float16
+        return torch.float32 if keep and _keeps_fp32(name, self.keep_in_fp32_modules or []) else self.dtype
+
+    def place(self, loaded: Mapping[str, torch.Tensor], skipped: set[str]) -> None:
+        for name, tensor in loaded.items():
+            if "SCB" in name or name in skipped:  # 8-bit statistics travel with their weight
+                continue
+            entry = _owning_entry(name, self.device_map)
+            if entry is None:
+                raise ValueError(f"{name} doesn't have any device set.")
+            device = self.device_map[entry]
+            dtype = self._target_dtype(name, tensor)
+            statistics_name = name.replace("weight", "SCB")
+            statistics = None
+            if "weight" in name and statistics_name in loaded and tensor.dtype == torch.int8:
+                statistics = loaded[statistics_name]
+            if device == "disk" and (self.offload_buffers or name not in self.buffer_names):
+                assert self.offload_folder is not None
+                set_module_tensor_to_device(self.model, name, "meta", dtype=dtype or tensor.dtype)
+                offload_weight(tensor, name, self.offload_folder, index=self.offload_index)
+            elif device == "cpu" and self.state_dict_folder is not None:
+                set_module_tensor_to_device(self.model, name, "meta", dtype=dtype or tensor.dtype)
+                offload_weight(tensor, name, self.state_dict_folder, index=self.state_dict_index)
+            else:
+                target = "cpu" if device == "disk" else device
+                set_module_tensor_to_device(
+                    self.model, name, target, value=tensor, dtype=dtype, fp16_statistics=statistics
+                )
+
+    def finish(self) -> None:
+        if self.offload_folder is not None:
+            save_offload_index(self.offload_index, self.offload_folder)
+        if self.state_dict_folder is not None:
+            load_offloaded_weights(self.model, self.state_dict_index, self.state_dict_folder)
+            shutil.rmtree(self.state_dict_folder)
+
+
+def load_checkpoint_in_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    device_map: Mapping[str, DeviceLike] | None = None,
+    offload_folder: str | os.PathLike[str] | None = None,
+    dtype: DtypeLike | None = None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+    keep_in_fp32_modules: list[str] | None = None,
+    offload_8bit_bnb: bool = False,
+    strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
+) -> None:
+    """Load a (possibly sharded) checkpoint into ``model``, sending each tensor where ``device_map`` says.
+
+    The model still needs :func:`~lightning_accel.dispatch_model` to run across devices;
+    :func:`~lightning_accel.load_checkpoint_and_dispatch` does both.
+
+    Args:
+        model: The model (typically built under ``init_empty_weights``).
+        checkpoint: A checkpoint file, the ``.index.json`` of a sharded checkpoint, or a folder holding a
+            ``pytorch_model.bin`` / ``model.safetensors`` or exactly one ``.index.json`` with its shards.
+        device_map: Module names to devices (``"disk"`` included); without one, torch loads the state dict.
+        offload_folder: Where ``"disk"`` tensors are written (required when the map has ``"disk"``).
+        dtype: Load floating-point weights in this dtype.
+        offload_state_dict: Keep the CPU part on disk while loading (for RAM that cannot hold it plus a shard).
+        offload_buffers: Offload the ``"disk"`` modules' buffers too.
+        keep_in_fp32_modules: Module names kept in float32 when ``dtype`` is float16.
+        offload_8bit_bnb: Offload bitsandbytes 8-bit modules (not supported yet: raises).
+        strict: Refuse checkpoint tensors the model does not have.
+        full_state_dict: Without a device map, the checkpoint is a full (not sharded-tensor) state dict.
+        broadcast_from_rank0: Without a device map, rank 0 reads the checkpoint and broadcasts it (needs an
+            initialised process group).
+
+    Raises:
+        ValueError: For a map with ``"disk"`` but no ``offload_folder``, a tensor without a device, unexpected keys
+            under ``strict``, or a checkpoint path that is none of the above.
+        NotImplementedError: For ``offload_8bit_bnb``.
+
+    """
+    if offload_8bit_bnb:
+        raise NotImplementedError(
+            "offload_8bit_bnb needs bitsandbytes quantization, which lightning_accel does not support yet; load the "
+            "8-bit model without offloading its quantized modules."
+        )
+    tied_params = find_tied_parameters(model)
+    if check_tied_parameters_in_config(model) and not tied_params:
+        logger.warning(
+            "The model weights are not tied. Please use the `tie_weights` method before using the "
+            "`infer_auto_device` function."
+        )
+    if device_map is not None:
+        check_tied_parameters_on_same_device(tied_params, device_map)
+        if "disk" in device_map.values():
+            if offload_folder is None:
+                raise ValueError(
+                    "At least one of the model submodule will be offloaded to disk, please pass along an "
+                    "`offload_folder`."
+                )
+            os.makedirs(offload_folder, exist_ok=True)
+
+    files = _checkpoint_files(checkpoint)
+    model_keys = set(model.state_dict())
+    unexpected: set[str] = set()
+    loader = None
+    if device_map is not None:
+        resolved_dtype = _as_dtype(dtype) if dtype is not None else None
+        loader = _ShardLoader(
+            model, device_map, offload_folder, resolved_dtype, offload_state_dict, offload_buffers,
+            keep_in_fp32_modules,
+        )  # fmt: skip
+    for checkpoint_file in files:
+        if loader is None:
+            unexpected |= _load_without_device_map(
+                model, checkpoint_file, strict, full_state_dict, broadcast_from_rank0
+            )
+            unexpected -= model_keys
+            continue
+        loaded = load_state_dict(checkpoint_file, device_map=device_map)
+        extra = {name for name in loaded if name not in model_keys and "SCB" not in name}
+        if strict and extra:
+            raise ValueError(
+                f"The checkpoint at {checkpoint} has tensors the model does not: {sorted(extra)}; pass strict=False "
+                "to ignore them."
+            )
+        unexpected |= extra
+        loader.place(loaded, skipped=extra)
+        del loaded
+        gc.collect()
+
+    if unexpected:
+        logger.warning(
+            f"Some weights of the model checkpoint at {checkpoint} were not used when initializing "
+            f"{type(model).__name__}: {unexpected}. This may or may not be an issue - make sure that the checkpoint "
+            "does not have unnecessary parameters, or that the model definition correctly corresponds to the "
+            "checkpoint."
+        )
+    if loader is not None:
+        loader.finish()
+    retie_parameters(model, tied_params)

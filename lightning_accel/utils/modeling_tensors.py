@@ -1,0 +1,354 @@
+"""Accelerate's tensor-level model helpers: move one parameter or buffer, list a module's tensors, find tied weights.
+
+Devices are what Accelerate's device maps hold: ``"cpu"``, ``"meta"``, an ``int`` (an index on the machine's
+accelerator, whatever torch reports it to be: CUDA, XPU, MPS, NPU, ...), or any device string or ``torch.device``.
+``"disk"`` is a placement, never a device a tensor can be on, so it is refused here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+
+from lightning_accel.utils.memory import clear_device_cache
+
+__all__ = [
+    "DeviceLike",
+    "TiedParamsMap",
+    "check_device_same",
+    "check_tied_parameters_in_config",
+    "check_tied_parameters_on_same_device",
+    "find_tied_parameters",
+    "get_non_persistent_buffers",
+    "id_tensor_storage",
+    "named_module_tensors",
+    "resolve_device",
+    "retie_parameters",
+    "set_module_tensor_to_device",
+]
+
+logger = logging.getLogger(__name__)
+
+DeviceLike: TypeAlias = int | str | torch.device
+# Original data pointer of a tied weight -> the copy already placed on each device (shared instead of re-copied).
+TiedParamsMap: TypeAlias = dict[int, dict[torch.device, torch.Tensor]]
+
+# Parameter classes whose device moves quantize the data; they need the quantization support of issue 15.
+_QUANTIZED_PARAMETER_CLASSES = ("Int8Params", "FP4Params", "Params4bit")
+
+
+def resolve_device(device: DeviceLike) -> torch.device:
+    """The ``torch.device`` a device-map entry names; an ``int`` is an index on the machine's accelerator.
+
+    Raises:
+        ValueError: For ``"disk"`` (a placement, not a device) or an index on a machine without an accelerator.
+
+    """
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, int):
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is None:
+            raise ValueError(
+                f"Device {device} is an accelerator index, but torch sees no accelerator on this machine; "
+                "use 'cpu' (or 'disk') in the device map instead."
+            )
+        return torch.device(accelerator.type, device)
+    if device == "disk":
+        raise ValueError("'disk' is where offloaded weights are stored, not a device tensors can be placed on.")
+    return torch.device(device)
+
+
+def check_device_same(first_device: torch.device, second_device: torch.device) -> bool:
+    """Whether two devices are the same, an accelerator without an index counting as index 0 (``cuda:0``)."""
+    if first_device.type != second_device.type:
+        return False
+    if first_device.type == "cpu":
+        return True
+    return (first_device.index or 0) == (second_device.index or 0)
+
+
+def _owner_and_name(module: nn.Module, tensor_name: str) -> tuple[nn.Module, str]:
+    """The submodule that holds ``tensor_name`` (a dotted path) and the tensor's name inside it."""
+    *path, name = tensor_name.split(".")
+    owner = module
+    for part in path:
+        child = getattr(owner, part, None)
+        if child is None:
+            raise ValueError(f"{owner} has no attribute {part}.")
+        owner = child
+    return owner, name
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return str(dtype).startswith(("torch.uint", "torch.int", "torch.bool"))
+
+
+def _shared_tied_copy(
+    tied_params_map: TiedParamsMap | None, key: torch.device, *tensors: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The copy of a tied weight already placed on ``key``, looked up by the first of ``tensors`` that is tied."""
+    if tied_params_map is None:
+        return None
+    for tensor in tensors:
+        if tensor is not None and key in tied_params_map.get(tensor.data_ptr(), {}):
+            return tied_params_map[tensor.data_ptr()][key]
+    return None
+
+
+def _rebuild_parameter(old: nn.Parameter, data: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A parameter of ``old``'s class holding ``data``, keeping ``requires_grad`` and transformers' init marker."""
+    param_cls = type(old)
+    if param_cls.__name__ in _QUANTIZED_PARAMETER_CLASSES:
+        raise NotImplementedError(
+            f"{param_cls.__name__} (bitsandbytes) quantizes its data when moved; lightning_accel does not place "
+            "bitsandbytes parameters yet. Load the quantized model with bitsandbytes' own `.to(device)`."
+        )
+    hf_initialized = old.__dict__.get("_is_hf_initialized")
+    new: torch.Tensor
+    if "torchao" in getattr(param_cls, "__module__", "") or param_cls.__name__ == "AffineQuantizedTensor":
+        new = data.to(device)
+    elif param_cls.__name__ in ("QTensor", "QBitsTensor"):
+        new = nn.Parameter(data, requires_grad=old.requires_grad).to(device)
+    else:
+        new = param_cls(data, requires_grad=old.requires_grad)
+    if hf_initialized is not None:
+        new._is_hf_initialized = hf_initialized  # type: ignore[attr-defined]
+    return new
+
+
+def set_module_tensor_to_device(
+    module: nn.Module,
+    tensor_name: str,
+    device: DeviceLike,
+    value: torch.Tensor | None = None,
+    dtype: str | torch.dtype | None = None,
+    fp16_statistics: torch.Tensor | None = None,
+    tied_params_map: TiedParamsMap | None = None,
+    non_blocking: bool = False,
+    clear_cache: bool = True,
+) -> None:
+    """Put one parameter or buffer of ``module`` on ``device``, optionally with new data.
+
+    ``param.to(device)`` returns a new tensor that the module does not hold; this replaces the module's entry
+    instead, keeping the parameter's class and ``requires_grad``.
+
+    Args:
+        module: The module (or an ancestor of it) holding the tensor.
+        tensor_name: The tensor's name, dotted from ``module`` (``"linear1.weight"``).
+        device: Where to put it.
+        value: New data (needed to leave the meta device); cast to the current dtype unless ``dtype`` is given.
+        dtype: Cast floating-point data to this dtype (integer and bool tensors keep theirs).
+        fp16_statistics: 8-bit serialization statistics, set as the parameter's ``SCB``.
+        tied_params_map: Shared copies of tied weights per device; a weight already placed on ``device`` is reused
+            instead of copied, and a newly placed tied weight is recorded.
+        non_blocking: Asynchronous copies where the devices allow it.
+        clear_cache: Empty the accelerator cache after placing the tensor on an accelerator.
+
+    Raises:
+        ValueError: For an unknown tensor name, a shape mismatch, or a meta tensor moved without ``value``.
+
+    """
+    owner, name = _owner_and_name(module, tensor_name)
+    if name not in owner._parameters and name not in owner._buffers:
+        raise ValueError(f"{owner} does not have a parameter or a buffer named {name}.")
+    old_value = getattr(owner, name)
+    if old_value is None:
+        raise ValueError(f"{tensor_name!r} is registered as None on {owner}; there is no tensor to move.")
+    is_buffer = name in owner._buffers
+    target = resolve_device(device)
+
+    shared = _shared_tied_copy(tied_params_map, target, value, old_value)
+    if shared is not None:
+        owner._parameters[name] = shared  # type: ignore[assignment]
+        return
+    if old_value.device.type == "meta" and target.type != "meta" and value is None:
+        raise ValueError(f"{tensor_name} is on the meta device, we need a `value` to put in on {device}.")
+
+    value_ptr = value.data_ptr() if value is not None else None
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""))
+    param_cls: type[Any] = type(owner._parameters.get(name))
+    if value is not None:
+        if old_value.shape != value.shape and param_cls.__name__ != "Params4bit":
+            raise ValueError(
+                f'Trying to set a tensor of shape {value.shape} in "{name}" (which has shape {old_value.shape}), '
+                "this looks incorrect."
+            )
+        if dtype is None:
+            value = value.to(old_value.dtype, non_blocking=non_blocking)
+        elif not _is_integer_dtype(value.dtype):
+            value = value.to(dtype, non_blocking=non_blocking)
+
+    with torch.no_grad():
+        if value is None:
+            new_value = old_value.to(target, non_blocking=non_blocking)
+            if dtype is not None and target.type == "meta":
+                if not _is_integer_dtype(old_value.dtype):
+                    new_value = new_value.to(dtype)
+                if not is_buffer:
+                    owner._parameters[name] = param_cls(new_value, requires_grad=old_value.requires_grad)
+        else:
+            new_value = value.to(target, non_blocking=non_blocking)
+
+        if is_buffer:
+            owner._buffers[name] = new_value
+        elif value is not None or not check_device_same(target, owner._parameters[name].device):  # type: ignore[union-attr]
+            old_param = owner._parameters[name]
+            assert old_param is not None
+            owner._parameters[name] = _rebuild_parameter(old_param, new_value, target)  # type: ignore[assignment]
+            if fp16_statistics is not None:
+                owner._parameters[name].SCB = fp16_statistics.to(target)  # type: ignore[union-attr]
+
+    if clear_cache and target.type not in ("cpu", "meta"):
+        clear_device_cache()
+
+    if tied_params_map is not None:
+        placed = getattr(owner, name)
+        for ptr in (old_value.data_ptr(), value_ptr):
+            if ptr is not None and ptr in tied_params_map and target not in tied_params_map[ptr]:
+                tied_params_map[ptr][target] = placed
+                break
+
+
+def get_non_persistent_buffers(module: nn.Module, recurse: bool = False, fqns: bool = False) -> set[str]:
+    """The names of ``module``'s non-persistent buffers (those left out of its state dict).
+
+    Args:
+        module: The module to inspect.
+        recurse: Include the submodules' non-persistent buffers.
+        fqns: Name them by their dotted path from ``module`` rather than by their name in their own module.
+
+    """
+    names = set(module._non_persistent_buffers_set)
+    if recurse:
+        for prefix, submodule in module.named_modules():
+            for buffer in submodule._non_persistent_buffers_set:
+                names.add(f"{prefix}.{buffer}" if fqns and prefix else buffer)
+    return names
+
+
+def named_module_tensors(
+    module: nn.Module, include_buffers: bool = True, recurse: bool = False, remove_non_persistent: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s parameters, then its buffers, by name.
+
+    Args:
+        module: The module.
+        include_buffers: Also yield the buffers.
+        recurse: Include the submodules' tensors (named by their dotted path), not only the direct ones.
+        remove_non_persistent: Leave out non-persistent buffers.
+
+    """
+    yield from module.named_parameters(recurse=recurse)
+    if not include_buffers:
+        return
+    skipped = get_non_persistent_buffers(module, recurse=recurse, fqns=True) if remove_non_persistent else set()
+    for name, buffer in module.named_buffers(recurse=recurse):
+        if name not in skipped:
+            yield name, buffer
+
+
+def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:
+    """An identifier of the storage behind ``tensor``: ``(device, data pointer, size in bytes)``.
+
+    Tensors sharing memory share the identifier while they live; meta tensors all get pointer 0.
+    """
+    try:
+        storage = tensor.untyped_storage()
+        return tensor.device, storage.data_ptr(), storage.nbytes()
+    except (NotImplementedError, RuntimeError):
+        return tensor.device, 0, tensor.nelement() * tensor.element_size()
+
+
+def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
+    """Groups of parameter names that are the same parameter, each group sorted.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> model[1].weight = model[0].weight
+        >>> find_tied_parameters(model)
+        [['0.weight', '1.weight']]
+
+    """
+    del kwargs  # Accelerate's signature takes keyword arguments it no longer uses.
+    names_by_parameter: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_parameter[id(param)].append(name)
+    return [sorted(names) for names in names_by_parameter.values() if len(names) > 1]
+
+
+def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    owner, attr = _owner_and_name(model, name)
+    tensor: torch.Tensor = getattr(owner, attr)
+    return tensor
+
+
+def retie_parameters(model: nn.Module, tied_params: Sequence[Sequence[str]]) -> None:
+    """Make each group of names the same parameter again (after hooks replaced some of them).
+
+    The group takes its first member that is not on the meta device; a group entirely on meta is left alone.
+
+    Args:
+        model: The model.
+        tied_params: Groups of parameter names, as :func:`find_tied_parameters` returns them.
+
+    """
+    for group in tied_params:
+        kept = next((p for p in (_get_tensor(model, n) for n in group) if p.device.type != "meta"), None)
+        if kept is None:
+            continue
+        for name in group:
+            owner, attr = _owner_and_name(model, name)
+            setattr(owner, attr, kept)
+
+
+def _device_of(name: str, device_map: Mapping[str, DeviceLike]) -> DeviceLike:
+    while name not in device_map:
+        if name == "":
+            raise ValueError("The `device_map` does not contain the module of every tied parameter.")
+        name = name.rpartition(".")[0]
+    return device_map[name]
+
+
+def check_tied_parameters_on_same_device(
+    tied_params: Sequence[Sequence[str]], device_map: Mapping[str, DeviceLike]
+) -> None:
+    """Warn about tied parameters that ``device_map`` puts on different devices.
+
+    Args:
+        tied_params: Groups of tied parameter names.
+        device_map: Module names to devices.
+
+    """
+    for group in tied_params:
+        devices = {name: _device_of(name, device_map) for name in group}
+        if len(set(devices.values())) > 1:
+            logger.warning(
+                f"Tied parameters are on different devices: {devices}. "
+                "Please modify your custom device map or set `device_map='auto'`. "
+            )
+
+
+def check_tied_parameters_in_config(model: nn.Module) -> bool:
+    """Whether a transformers model's configuration says some of its weights should be tied."""
+    if "PreTrainedModel" not in [cls.__name__ for cls in inspect.getmro(type(model))]:
+        return False
+    config = getattr(model, "config", None)
+    text_config = (
+        config.get_text_config(decoder=True) if config is not None and hasattr(config, "get_text_config") else config
+    )
+    tied_embeddings = bool(
+        text_config is not None and getattr(text_config, "tie_word_embeddings", False) and model.get_output_embeddings()  # type: ignore[operator]
+    )
+    tied_encoder_decoder = bool(
+        getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False)
+    )
+    tied_module = any(hasattr(submodule, "_tie_weights") for submodule in model.modules())
+    return tied_embeddings or tied_encoder_decoder or tied_module
