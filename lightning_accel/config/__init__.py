@@ -15,6 +15,12 @@ from lightning_accel.config.kwargs import (
     KwargsHandler,
 )
 from lightning_accel.config.megatron import MegatronLMPlugin
+from lightning_accel.config.parallelism import (
+    DeepSpeedSequenceParallelConfig,
+    ParallelismConfig,
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
+)
 from lightning_accel.config.project import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from lightning_accel.config.quantization import BnbQuantizationConfig
 
@@ -24,6 +30,7 @@ __all__ = [
     "BnbQuantizationConfig",
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
+    "DeepSpeedSequenceParallelConfig",
     "DistributedDataParallelKwargs",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
@@ -31,8 +38,11 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "MegatronLMPlugin",
+    "ParallelismConfig",
     "ProjectConfiguration",
+    "TorchContextParallelConfig",
     "TorchDynamoPlugin",
+    "TorchTensorParallelConfig",
     "load_config",
     "write_basic_config",
 ]
