@@ -11,6 +11,7 @@ that, then the ``Accelerator`` records what the strategy answers here.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -18,6 +19,14 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
+    LightningEnvironment,
+    LSFEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from typing_extensions import override
 
 from lightning_accel.config import GradientAccumulationPlugin
@@ -26,6 +35,9 @@ from lightning_accel.enums import DistributedType, PrecisionType
 __all__ = ["AcceleratorState", "GradientState", "PartialState", "reset_state"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+# What AcceleratorState adds to the process description PartialState shares with it.
+_RUN_KEYS = ("mixed_precision",)
 
 
 class _SharedState:
@@ -54,14 +66,53 @@ class _SharedState:
 class PartialState(_SharedState):
     """Which process this is and how many there are; the process-control helpers.
 
-    Filled in by the ``Accelerator`` once its strategy is set up. Before that, a bare ``PartialState()`` describes a
-    single process on CPU.
+    The first instance of a process joins the launch (see ``__init__``); the ``Accelerator`` refines it with what its
+    strategy answers (the distributed type of FSDP or DeepSpeed, the device it trains on).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        """Describe this process; the first instance joins the launch's process group, as Accelerate's does.
+
+        Under torchrun, SLURM or another launcher Lightning detects, the first ``PartialState()`` of a process starts
+        ``torch.distributed`` (unless something already did) on the device's collective backend, so ``process_index``
+        and the collectives work before any ``Accelerator`` exists; an ``Accelerator`` created later runs on that
+        process group. Without a launcher it describes one process.
+
+        Args:
+            cpu: Use the CPU even where an accelerator is present.
+            **kwargs: ``torch.distributed.init_process_group`` arguments (``backend``, ``timeout``, ...).
+
+        """
         super().__init__()
         if not self.initialized:
-            self._configure(DistributedType.NO, torch.device("cpu"), num_processes=1, process_index=0, local_index=0)
+            self._join_launch(cpu, kwargs)
+
+    def _join_launch(self, cpu: bool, init_kwargs: dict[str, Any]) -> None:
+        from lightning_accel.strategies.devices import backend_for_device, default_collective_backend
+
+        environment = _launch_environment()
+        device_type = "cpu" if cpu or not torch.accelerator.is_available() else _accelerator_type()
+        world_size = environment.world_size() if environment is not None else 1
+        if world_size == 1 and not dist.is_initialized():
+            device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type, 0)
+            self._configure(DistributedType.NO, device, num_processes=1, process_index=0, local_index=0)
+            self.backend = None
+            return
+        entry = backend_for_device(device_type)
+        backend = init_kwargs.pop("backend", None) or default_collective_backend(entry)
+        local_rank = environment.local_rank() if environment is not None else 0
+        if not dist.is_initialized():
+            assert environment is not None
+            os.environ.setdefault("MASTER_ADDR", environment.main_address)
+            os.environ.setdefault("MASTER_PORT", str(environment.main_port))
+            rank = environment.global_rank()
+            dist.init_process_group(backend, rank=rank, world_size=world_size, **init_kwargs)
+        device = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, local_rank)
+        index, count = dist.get_rank(), dist.get_world_size()
+        self._configure(
+            entry.distributed_type, device, num_processes=count, process_index=index, local_index=local_rank
+        )
+        self.backend = dist.get_backend()
 
     def _configure(
         self,
@@ -211,8 +262,13 @@ class AcceleratorState(PartialState):
 
     @classmethod
     @override
-    def _reset_state(cls) -> None:
-        PartialState._reset_state()
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Forget the run's settings; with ``reset_partial_state`` also the processes (Accelerate's signature)."""
+        if reset_partial_state:
+            PartialState._reset_state()
+            return
+        for key in _RUN_KEYS:
+            cls._shared_state.pop(key, None)
 
 
 class GradientState(_SharedState):
@@ -322,7 +378,22 @@ def _take(inputs: Any, start: int, stop: int, width: int) -> Any:
     return share + type(share)([inputs[-1]] * missing)
 
 
+def _launch_environment() -> ClusterEnvironment | None:
+    """The launcher this process was started by, as Lightning detects it (``None``: started by hand)."""
+    for environment in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment):
+        if environment.detect():
+            return environment()
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return LightningEnvironment()
+    return None
+
+
+def _accelerator_type() -> str:
+    current = torch.accelerator.current_accelerator()
+    return "cpu" if current is None else current.type
+
+
 def reset_state() -> None:
     """Forget every shared state of this process (tests call this between cases)."""
-    AcceleratorState._reset_state()
+    AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

@@ -260,7 +260,7 @@ class ParallelismConfig:
             (self.dp_cp_dim_names, "dp_cp"),
         ):
             if dims:
-                mesh[dims]._flatten(joint)
+                mesh[dims]._flatten(joint)  # type: ignore[index]  # a list of names, as Accelerate passes
         return mesh
 
     def get_device_mesh(self, device_type: str | None = None) -> Any:
