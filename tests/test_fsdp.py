@@ -125,7 +125,8 @@ def test_fabric_matches_ddp_and_round_trips_checkpoints(run: tuple[Results, Path
         assert rank["momentum_restored"]
         for key, value in rank["weights"].items():
             assert torch.equal(value, rank["reloaded_weights"][key]), key
-        assert "fabric.setup_module(model)" in rank["setup_error"]
+        # The script sets up a network with an optimizer built from another one: the one-call setup names the tensor.
+        assert "is not a parameter of the Sequential set up with it" in rank["setup_error"]
 
 
 def test_acc_fsdp_is_registered_and_accepted_on_cpu() -> None:
