@@ -17,11 +17,13 @@ from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -30,6 +32,7 @@ from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGr
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
+from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
 from lightning_accel.strategies.registry import StrategyEntry
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -54,6 +57,9 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
     Checkpoints follow ``fsdp_plugin.state_dict_type``: ``FULL_STATE_DICT`` writes one file (gathered from every
     process, written by rank 0), ``SHARDED_STATE_DICT`` a directory of ``torch.distributed.checkpoint`` shards with
     ``meta.pt``. ``fit(ckpt_path=...)`` reads either.
+
+    The model is sharded by the first entry point (``fit``, ``validate``, ``test`` or ``predict``) and stays sharded:
+    later calls on the same Trainer run on the same sharded model, as Lightning's own ``fsdp`` does.
 
     """
 
@@ -82,11 +88,79 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
             precision_plugin=precision_plugin,
             start_method=start_method,
         )
+        self._sharded_model: Module | None = None
 
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        """Shard the LightningModule at the first entry point, in every stage; reuse the sharded model afterwards.
+
+        Each ``fit``/``validate``/``test``/``predict`` hands the strategy the LightningModule again. One this strategy
+        sharded before (FSDP2 shards it in place, FSDP1 wraps it) is neither converted, moved nor sharded again.
+        """
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        sharded = self._sharded_model_of(self.model)
+        if sharded is None:
+            if self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            sharded = self._sharded_model = self._setup_model(self.model)
+        # An earlier evaluation may have left FSDP2 units gathered; the optimizer must get the sharded parameters.
+        _reshard(sharded)
+        self.model = sharded
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sharded_model_of(self, module: Module) -> Module | None:
+        """The sharded model ``module`` already is (FSDP2, or sharded by the user) or is wrapped in (FSDP1), if any."""
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            return module
+        previous = self._sharded_model
+        if isinstance(previous, FullyShardedDataParallel) and previous.module is module:
+            return previous
+        return None
+
+    @override
+    def on_validation_end(self) -> None:
+        self._reshard_after_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self._reshard_after_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._reshard_after_evaluation()
+
+    def _reshard_after_evaluation(self) -> None:
+        """Free the parameters FSDP2 gathered for gradient-free forwards (no backward pass reshards them)."""
+        assert self.model is not None
+        _reshard(self.model)
+
+    @override
+    def teardown(self) -> None:
+        """Leave the sharded model as it is (on its devices, with its synchronized layers) for the next entry point.
+
+        Lightning's DDP moves the LightningModule to CPU and reverts ``sync_batchnorm`` here; both would break the
+        shards the next ``validate``/``test``/``predict``/``fit`` reuses.
+        """
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @property
     @override
@@ -140,8 +214,6 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
         """
         assert self.model is not None and self.lightning_module is not None
         with context():
-            if not _is_sharded(self.model):
-                return getattr(self.lightning_module, method)(*args, **kwargs)
             return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     @override
@@ -254,6 +326,13 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Take an optimizer over the parameters of the sharded models.
+
+        Raises:
+            ValueError: If it holds a tensor that none of the models this strategy sharded has.
+
+        """
+        check_sharded_parameters(optimizer, self._sharded_modules)
         self._fsdp.refresh_float8_scales_after_steps(optimizer, self._sharded_modules)
         return super().setup_optimizer(optimizer)
 
@@ -306,10 +385,13 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
         return self._fsdp.load_into(path, state, _single_module(state), strict=strict)
 
 
-def _is_sharded(module: Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+def _reshard(module: Module) -> None:
+    """Register the sharded parameters again on every FSDP2 unit of ``module`` that holds gathered ones."""
+    from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in module.modules())
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _single_module(state: dict[str, Any]) -> Module:
