@@ -145,6 +145,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
             exclude_frozen_parameters=exclude_frozen_parameters,
             logging_level=logging_level,
         )
+        self._engine: Any = None  # the engine the last entry point built, released by the next one
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
@@ -215,6 +216,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     def _initialize_deepspeed_train(self, model: Module) -> None:
         module = self.lightning_module
         assert module is not None
+        self._release_engine()
         declared_optimizer = "optimizer" in self._family.config
         declared_scheduler = "scheduler" in self._family.config
         optimizers, scheduler_configs = _init_optimizers_and_lr_schedulers(module)
@@ -250,14 +252,28 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         elif scheduler_config is not None:
             self.lr_scheduler_configs = [scheduler_config]
         engine.set_gradient_accumulation_boundary(True)  # block_backward_sync marks the micro-batches that accumulate
-        self.model = engine
+        self.model = self._engine = engine
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
-        remove_module_hooks(model)  # a training engine may have left its hooks on the module
-        self.model, _, _ = self._family.initialize(model, None, self.local_rank, self._family.inference_config())
+        self._release_engine()
+        remove_module_hooks(model)  # an engine of another Trainer may have left its hooks on the module
+        config = self._family.inference_config()
+        self.model, _, _ = self._family.initialize(model, None, self.local_rank, config)
+        self._engine = self.model
+
+    def _release_engine(self) -> None:
+        """Release the engine an earlier ``fit``/``validate``/``test``/``predict`` built around the module.
+
+        Each entry point builds its own engine (a training engine for ``fit``, one without optimizer otherwise) around
+        the same LightningModule; the previous engine's hooks would otherwise keep running on it (and its optimizer
+        state stay in memory). The module keeps its weights, partitioned as they are under ZeRO 3.
+        """
+        if self._engine is not None:
+            self._family.release(self._engine)
+            self._engine = None
 
     @override
     def _setup_model_and_optimizer(

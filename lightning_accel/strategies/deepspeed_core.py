@@ -512,6 +512,19 @@ class DeepSpeedFamily:
             )
         set_z3_leaf_modules(model, [classes[n] for n in names])
 
+    def release(self, engine: Any) -> None:
+        """Remove what ``engine`` hooked into its module and parameters and free its optimizer state.
+
+        The module stays usable for a new engine: its parameters keep their current values (partitioned under ZeRO 3).
+        """
+        # The engine's own forward hooks (``_forward_prologue``/``_forward_epilogue``) outlive ``destroy``.
+        for name in ("module_forward_pre_hook", "module_forward_post_hook"):
+            handle = getattr(engine, name, None)
+            if handle is not None:
+                handle.remove()
+                setattr(engine, name, None)
+        engine.destroy()
+
     @contextmanager
     def accumulating(self, engine: Any) -> Iterator[None]:
         """Within this context, backward passes accumulate gradients without reaching DeepSpeed's step boundary."""
