@@ -26,7 +26,6 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from lightning_accel.config._settings import parse_bool
 from lightning_accel.hooks import (
     AlignDevicesHook,
     CpuOffload,
@@ -36,6 +35,7 @@ from lightning_accel.hooks import (
     attach_align_device_hook_on_blocks,
     attach_layerwise_casting_hooks,
 )
+from lightning_accel.utils.environment import parse_flag_from_env
 from lightning_accel.utils.modeling import (
     check_device_map,
     find_tied_parameters,
@@ -45,7 +45,12 @@ from lightning_accel.utils.modeling import (
     retie_parameters,
 )
 from lightning_accel.utils.modeling_sizes import DtypeLike
-from lightning_accel.utils.modeling_tensors import DeviceLike, TiedParamsMap, resolve_device
+from lightning_accel.utils.modeling_tensors import (
+    DeviceLike,
+    TiedParamsMap,
+    resolve_device,
+    set_module_tensor_to_device,
+)
 from lightning_accel.utils.offload import OffloadedWeightsLoader, extract_submodules_state_dict, offload_state_dict
 
 __all__ = [
@@ -68,7 +73,7 @@ _OFFLOAD_INDEX = "index.json"
 def _include_buffers(include_buffers: bool | None) -> bool:
     if include_buffers is not None:
         return include_buffers
-    return parse_bool("ACCELERATE_INIT_INCLUDE_BUFFERS", os.environ.get("ACCELERATE_INIT_INCLUDE_BUFFERS", "false"))
+    return parse_flag_from_env("ACCELERATE_INIT_INCLUDE_BUFFERS", False)
 
 
 @contextmanager
@@ -126,7 +131,8 @@ def init_on_device(device: DeviceLike, include_buffers: bool | None = None) -> I
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None:
+        # A parameter already there is kept as is, so weights tied in a constructor stay tied.
+        if param is not None and param.device != target:
             module._parameters[name] = _moved_parameter(module._parameters[name], target)  # type: ignore[arg-type]
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign, assignment]
@@ -281,6 +287,26 @@ def _tied_params_map(model: nn.Module, tied_params: list[list[str]]) -> TiedPara
     return tied
 
 
+def _alias_tied_weights(weights_map: OffloadedWeightsLoader, tied_params: list[list[str]]) -> None:
+    """Let every name of a tied weight read it when the checkpoint stored it under one name only (safetensors)."""
+    for group in tied_params:
+        stored = next((name for name in group if name in weights_map), None)
+        for name in group if stored is not None else ():
+            weights_map.alias(name, stored)  # type: ignore[arg-type]
+
+
+def _offloaded_tensor_entries(
+    model: nn.Module, device_map: Mapping[str, DeviceLike], offloaded: tuple[str, ...]
+) -> list[str]:
+    """Offloaded device-map entries naming a tensor, not a module (the direct tensors of a split module).
+
+    Offload hooks serve whole modules, so these are placed on the main device instead (Accelerate left them on the
+    meta device, and the forward failed).
+    """
+    modules = dict(model.named_modules())
+    return [name for name, device in device_map.items() if device in offloaded and name not in modules]
+
+
 def _guard_moves(model: nn.Module) -> None:
     """Warn when a dispatched model is moved, and refuse it when some of its weights are offloaded."""
 
@@ -367,6 +393,7 @@ def dispatch_model(
     offload = {name: device in offloaded for name, device in device_map.items()}
     save_folder = offload_dir if disk_blocks else None
     weights_map = None
+    tied_params = find_tied_parameters(model)
     if state_dict is not None or save_folder is not None or offload_index is not None:
         weights_map = OffloadedWeightsLoader(
             state_dict=state_dict,
@@ -374,7 +401,10 @@ def dispatch_model(
             index=offload_index,
             device=main if offload_index is not None else None,
         )
-    tied_params = find_tied_parameters(model)
+        _alias_tied_weights(weights_map, tied_params)
+        for name in _offloaded_tensor_entries(model, device_map, offloaded):
+            execution_device[name], offload[name] = main, False
+            set_module_tensor_to_device(model, name, main, value=weights_map.get(name))
     attach_align_device_hook_on_blocks(
         model,
         execution_device=execution_device,

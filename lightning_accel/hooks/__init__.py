@@ -27,7 +27,6 @@ from lightning_accel.hooks.base import (
     remove_hook_from_submodules,
 )
 from lightning_accel.hooks.offload import (
-    SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING,
     CpuOffload,
     LayerwiseCastingHook,
     UserCpuOffloadHook,
@@ -35,7 +34,6 @@ from lightning_accel.hooks.offload import (
 )
 
 __all__ = [
-    "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
     "AlignDevicesHook",
     "CpuOffload",
     "LayerwiseCastingHook",

@@ -25,7 +25,7 @@ from lightning_accel.utils.modeling_tensors import (
     set_module_tensor_to_device,
 )
 from lightning_accel.utils.offload import PrefixedDataset
-from lightning_accel.utils.operations import send_to_device
+from lightning_accel.utils.operations import find_device, send_to_device
 
 __all__ = [
     "AlignDevicesHook",
@@ -33,18 +33,6 @@ __all__ = [
     "attach_align_device_hook_on_blocks",
     "attach_execution_device_hook",
 ]
-
-
-def _find_device(data: Any) -> torch.device | None:
-    """The device of the first tensor in nested lists, tuples and mappings."""
-    if isinstance(data, torch.Tensor):
-        return data.device
-    values = data.values() if isinstance(data, Mapping) else data if isinstance(data, (list, tuple)) else ()
-    for value in values:
-        device = _find_device(value)
-        if device is not None:
-            return device
-    return None
 
 
 def _get_tensor(module: nn.Module, name: str) -> torch.Tensor:
@@ -149,7 +137,7 @@ class AlignDevicesHook(ModelHook):
     @_eager
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.io_same_device:
-            self.input_device = _find_device([args, kwargs])
+            self.input_device = find_device([args, kwargs])
         if self.offload:
             self._load_offloaded(module)
         if self.execution_device is None:

@@ -11,12 +11,12 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_accel.hooks.base import ModelHook, _eager, add_hook_to_module, remove_hook_from_module
+from lightning_accel.utils.constants import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 from lightning_accel.utils.memory import clear_device_cache
 from lightning_accel.utils.modeling_tensors import DeviceLike, resolve_device
 from lightning_accel.utils.operations import send_to_device
 
 __all__ = [
-    "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
     "CpuOffload",
     "LayerwiseCastingHook",
     "UserCpuOffloadHook",
@@ -125,18 +125,6 @@ class LayerwiseCastingHook(ModelHook):
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         module.to(dtype=self.storage_dtype, non_blocking=self.non_blocking)
         return output
-
-
-# The layers Accelerate casts layer by layer (their weights dominate; norms and embeddings stay as loaded).
-SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING: tuple[type[nn.Module], ...] = (
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
-    nn.Linear,
-)
 
 
 def attach_layerwise_casting_hooks(

@@ -7,8 +7,8 @@ for the largest remaining layer stays free, since an offloaded layer is brought 
 
 Two differences from Accelerate 1.15, both where its maps are wrong: a tied weight is "inside" a module only when
 its name starts with the module's name (Accelerate tests substring containment, so module ``"0"`` also claimed
-``"1.0.weight"``), and a module that is split keeps its direct buffers in the map (Accelerate dropped them, so
-:func:`check_device_map` then refused its own map).
+``"1.0.weight"``), and the direct buffers of a module that is split follow its first child (Accelerate left them
+out, so when the children landed on different devices :func:`check_device_map` refused Accelerate's own map).
 """
 
 from __future__ import annotations
@@ -50,12 +50,8 @@ def _inside(name: str, tensor_name: str) -> bool:
 
 
 def _children(name: str, module: Any) -> list[NamedItem]:
-    """What a split of ``module`` puts in its place: its direct parameters, buffers and submodules, by full name."""
-    items = [
-        *module.named_parameters(recurse=False),
-        *module.named_buffers(recurse=False),
-        *module.named_children(),
-    ]
+    """What a split of ``module`` puts in its place: its direct parameters and submodules, by full name."""
+    items = [*module.named_parameters(recurse=False), *module.named_children()]
     return [(f"{name}.{child}", value) for child, value in items]
 
 
@@ -350,12 +346,24 @@ def infer_auto_device_map(
     while planner.pending:
         planner.step(fallback_allocation)
     device_map: MutableMapping[str, int | str] = planner.device_map
+    _cover_split_buffers(model, device_map)
     if clean_result:
         clean_device_map(device_map)
     if not offload_buffers:
         planner.warn_about_buffers()
     planner.report_unused_devices()
     return dict(device_map)
+
+
+def _cover_split_buffers(model: nn.Module, device_map: MutableMapping[str, int | str]) -> None:
+    """Give the direct buffers of split modules (never planned on their own) their module's first child's device."""
+    for name in model.state_dict():
+        if any(_inside(key, name) for key in device_map):
+            continue
+        parent = name.rpartition(".")[0]
+        sibling = next((key for key in device_map if key.startswith(parent + ".")), None)
+        if sibling is not None:
+            device_map[name] = device_map[sibling]
 
 
 def clean_device_map(device_map: MutableMapping[str, Any], module_name: str = "") -> MutableMapping[str, Any]:

@@ -27,10 +27,22 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def has_offloaded_params(module: nn.Module) -> bool:
-    """Whether ``module``'s hook keeps its weights offloaded (they are on the meta device outside ``forward``)."""
+def _offloading_hook(module: nn.Module) -> Any:
+    """The hook keeping ``module``'s weights offloaded: its hook, or one chained in its ``SequentialHook``."""
     hook = getattr(module, "_hf_hook", None)
-    return hook is not None and hasattr(hook, "execution_device") and getattr(hook, "offload", False) is True
+    for candidate in (hook, *getattr(hook, "hooks", ())):
+        if hasattr(candidate, "execution_device") and getattr(candidate, "offload", False) is True:
+            return candidate
+    return None
+
+
+def has_offloaded_params(module: nn.Module) -> bool:
+    """Whether a hook of ``module`` keeps its weights offloaded (on the meta device outside ``forward``).
+
+    A hook chained after another one (the model's own, for the root module of ``cpu_offload``) counts too;
+    Accelerate only looks at a single hook.
+    """
+    return _offloading_hook(module) is not None
 
 
 @contextmanager
@@ -46,8 +58,8 @@ def align_module_device(module: nn.Module, execution_device: DeviceLike | None =
         execution_device: Where to put the parameters (default: the hook's execution device).
 
     """
-    if has_offloaded_params(module):
-        hook: Any = module._hf_hook
+    hook = _offloading_hook(module)
+    if hook is not None:
         original = hook.execution_device
         if execution_device is not None:
             hook.execution_device = execution_device

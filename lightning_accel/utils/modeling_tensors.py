@@ -293,7 +293,8 @@ def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
 def retie_parameters(model: nn.Module, tied_params: Sequence[Sequence[str]]) -> None:
     """Make each group of names the same parameter again (after hooks replaced some of them).
 
-    The group takes its first member that is not on the meta device; a group entirely on meta is left alone.
+    The group takes its first member that is not on the meta device, or its first member when all are on meta
+    (so the tie survives offloading: Accelerate leaves such a group untied).
 
     Args:
         model: The model.
@@ -301,9 +302,8 @@ def retie_parameters(model: nn.Module, tied_params: Sequence[Sequence[str]]) -> 
 
     """
     for group in tied_params:
-        kept = next((p for p in (_get_tensor(model, n) for n in group) if p.device.type != "meta"), None)
-        if kept is None:
-            continue
+        members = [_get_tensor(model, name) for name in group]
+        kept = next((param for param in members if param.device.type != "meta"), members[0])
         for name in group:
             owner, attr = _owner_and_name(model, name)
             setattr(owner, attr, kept)

@@ -172,8 +172,23 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
         self.index: Mapping[str, Any] = index if index is not None else {}
         self.all_keys = [*self.state_dict, *(key for key in self.index if key not in self.state_dict)]
         self.device = device
+        self._aliases: dict[str, str] = {}
+
+    def alias(self, name: str, stored_as: str) -> None:
+        """Make ``name`` read the weight stored as ``stored_as`` (a tied weight, saved once under another name).
+
+        Raises:
+            KeyError: If ``stored_as`` is not in this loader.
+
+        """
+        if stored_as not in self:
+            raise KeyError(f"Cannot alias {name!r} to {stored_as!r}: {stored_as!r} is not in this loader.")
+        if name not in self:
+            self._aliases[name] = self._aliases.get(stored_as, stored_as)
+            self.all_keys.append(name)
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        key = self._aliases.get(key, key)
         if key in self.state_dict:
             return self.state_dict[key]
         info = self.index[key]
