@@ -478,7 +478,11 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
             ValueError: Naming the objects that lack either method.
 
         """
-        invalid = [repr(o) for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        invalid = [
+            f"Item at index {i} ({type(o).__name__})"
+            for i, o in enumerate(objects)
+            if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
+        ]
         if invalid:
             raise ValueError(
                 f"Objects to checkpoint need `state_dict` and `load_state_dict` methods; these lack them: {invalid}."
