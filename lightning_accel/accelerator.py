@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -22,10 +23,10 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_accel import _engine_step, _fabric, checkpointing
+from lightning_accel import _engine_step, _fabric
+from lightning_accel._checkpoint_control import CheckpointControl
 from lightning_accel._loader_control import DataLoaderControl
 from lightning_accel._module import AcceleratedModule, plain_optimizer_step
 from lightning_accel._process import ProcessControl, destroy_process_group
@@ -37,6 +38,7 @@ from lightning_accel.config import (
     GradientAccumulationPlugin,
     KwargsHandler,
     MegatronLMPlugin,
+    ParallelismConfig,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
@@ -48,7 +50,7 @@ from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
 from lightning_accel.utils import operations
 from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
-from lightning_accel.utils.other import extract_model_from_parallel, save
+from lightning_accel.utils.other import extract_model_from_parallel
 
 __all__ = ["Accelerator"]
 
@@ -57,6 +59,37 @@ def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> Non
     if value is not None and not isinstance(value, expected):
         names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
         raise TypeError(f"`{name}` must be a {names} (or None), got {type(value).__name__}: {value!r}.")
+
+
+def _refuse_unsupported(**values: Any) -> None:
+    given = [name for name, value in values.items() if value is not None]
+    if given:
+        raise NotImplementedError(
+            f"Accelerator({', '.join(f'{name}=...' for name in given)}) is not supported by lightning_accel yet:"
+            " use fsdp_plugin / deepspeed_plugin, or Trainer(strategy='acc_fsdp') for sharded training."
+        )
+
+
+def _with_split_batches(config: DataLoaderConfiguration | None, split_batches: bool | None) -> DataLoaderConfiguration:
+    """Apply the deprecated ``split_batches`` argument to the data-loader configuration.
+
+    Raises:
+        ValueError: If ``dataloader_config`` is given as well.
+
+    """
+    if split_batches is None:
+        return config or DataLoaderConfiguration()
+    if config is not None:
+        raise ValueError(
+            "Pass split_batches inside dataloader_config, not next to it: DataLoaderConfiguration(split_batches=...)."
+        )
+    warnings.warn(
+        "Accelerator(split_batches=...) is deprecated: pass"
+        " dataloader_config=DataLoaderConfiguration(split_batches=...).",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return DataLoaderConfiguration(split_batches=split_batches)
 
 
 def _check_arguments(**values: Any) -> None:
@@ -73,7 +106,7 @@ def _check_arguments(**values: Any) -> None:
         _check_type(name, value, expected[name])
 
 
-class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
+class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointControl):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
 
     Arguments left at their defaults are read from the launch environment (``ACCELERATE_MIXED_PRECISION``,
@@ -101,6 +134,10 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
         log_with: Tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"comet_ml"``, ``"all"``) or objects.
         megatron_lm_plugin: Accepted for Accelerate's signature; there is no Megatron-LM strategy yet (raises).
         dynamo_backend: Shorthand for ``dynamo_plugin=TorchDynamoPlugin(backend=...)``.
+        split_batches: Deprecated in Accelerate: ``DataLoaderConfiguration(split_batches=...)``. Given here, it is
+            applied to the data-loader configuration with a ``FutureWarning`` (Accelerate 1.15 ignores it).
+        torch_tp_plugin, deepspeed_plugins, parallelism_config: Accelerate's tensor parallelism, several DeepSpeed
+            configurations and ND parallelism; not supported by this Accelerator yet (raise ``NotImplementedError``).
 
     Raises:
         TypeError: For arguments of the wrong type.
@@ -111,23 +148,31 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
     def __init__(
         self,
         device_placement: bool = True,
+        split_batches: bool | None = None,
         mixed_precision: str | None = None,
         gradient_accumulation_steps: int = 1,
         cpu: bool = False,
         dataloader_config: DataLoaderConfiguration | None = None,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        torch_tp_plugin: Any = None,
+        megatron_lm_plugin: MegatronLMPlugin | None = None,
         rng_types: Sequence[Any] | None = None,
+        log_with: str | GeneralTracker | Sequence[str | GeneralTracker] | None = None,
         project_dir: str | os.PathLike[str] | None = None,
         project_config: ProjectConfiguration | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        log_with: str | GeneralTracker | Sequence[str | GeneralTracker] | None = None,
-        megatron_lm_plugin: MegatronLMPlugin | None = None,
         dynamo_backend: DynamoBackend | str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        deepspeed_plugins: Any = None,
+        parallelism_config: ParallelismConfig | None = None,
     ) -> None:
+        _refuse_unsupported(
+            torch_tp_plugin=torch_tp_plugin, deepspeed_plugins=deepspeed_plugins, parallelism_config=parallelism_config
+        )
+        dataloader_config = _with_split_batches(dataloader_config, split_batches)
         _check_arguments(
             dataloader_config=dataloader_config,
             project_config=project_config,
@@ -152,7 +197,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
         self.rng_types = check_rng_types(["generator"] if rng_types is None else rng_types)
         self.log_with = resolve_trackers(log_with)
         self.device_placement = device_placement
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        self.dataloader_config = dataloader_config
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
@@ -468,116 +513,6 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl):
         """Finish the run: close the trackers, destroy the process group."""
         self._finish_trackers()
         destroy_process_group()
-
-    # ---- checkpoints -----------------------------------------------------------------------------------------------
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore ``objects`` (each with ``state_dict``/``load_state_dict``) in ``save_state``/``load_state``.
-
-        Raises:
-            ValueError: Naming the objects that lack either method.
-
-        """
-        invalid = [
-            f"Item at index {i} ({type(o).__name__})"
-            for i, o in enumerate(objects)
-            if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
-        ]
-        if invalid:
-            raise ValueError(
-                f"Objects to checkpoint need `state_dict` and `load_state_dict` methods; these lack them: {invalid}."
-            )
-        self._custom_objects.extend(objects)
-
-    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call ``hook(models, weights, output_dir)`` in ``save_state`` before the weights are written.
-
-        The hook may pop entries from ``weights`` (and ``models``) to save them its own way.
-        """
-        handle = RemovableHandle(self._save_state_pre_hooks)
-        self._save_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call ``hook(models, input_dir)`` in ``load_state`` before the weights are loaded (it may pop models)."""
-        handle = RemovableHandle(self._load_state_pre_hooks)
-        self._load_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def get_state_dict(self, model: Module, unwrap: bool = True) -> dict[str, Any]:
-        """The model's full state dict (on every process, or on the main process only for sharded weights).
-
-        Sharded weights are gathered to the main process's CPU, as Accelerate does under FSDP and DeepSpeed ZeRO-3;
-        the other processes get ``{}`` (collective: every process calls it). ZeRO-3 needs
-        ``DeepSpeedPlugin(zero3_save_16bit_model=True)``, as in Accelerate.
-
-        With ``unwrap=False`` it is the strategy-wrapped module's own state dict (DDP keys keep ``module.``).
-
-        Raises:
-            ValueError: Under ZeRO-3 without ``zero3_save_16bit_model``.
-
-        """
-        if not unwrap:
-            return dict(self.fabric.strategy.get_module_state_dict(getattr(model, "_forward_module", model)))
-        from lightning_accel._sharded_checkpoint import engine_checkpoint
-
-        engine = engine_checkpoint(self.fabric.strategy)
-        if engine is not None:
-            return engine.full_state_dict(model, self._models)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from torch.distributed.tensor import DTensor
-
-        module = self.unwrap_model(model)
-        sharded = any(isinstance(p, DTensor) for p in module.parameters())
-        options = StateDictOptions(full_state_dict=True, cpu_offload=sharded)  # torch gathers for any parallelism
-        return dict(get_model_state_dict(module, options=options))
-
-    def save_model(
-        self,
-        model: Module,
-        save_directory: str | os.PathLike[str],
-        max_shard_size: int | str = "10GB",
-        safe_serialization: bool = True,
-    ) -> None:
-        """Write the model's weights: ``model.safetensors``, or shards and an index past ``max_shard_size``.
-
-        File names and the index are Accelerate's (Hugging Face's), so ``from_pretrained``-style loaders read them.
-        """
-        checkpointing.save_model(
-            self.get_state_dict(model),
-            save_directory,
-            max_shard_size=max_shard_size,
-            safe_serialization=safe_serialization,
-            is_main_process=self.is_main_process,
-        )
-        self.wait_for_everyone()
-
-    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
-        """Save ``obj`` once (per node with ``save_on_each_node``); see :func:`lightning_accel.utils.other.save`."""
-        save(obj, f, self.project_configuration.save_on_each_node, safe_serialization=safe_serialization)
-
-    def save_state(
-        self,
-        output_dir: str | os.PathLike[str] | None = None,
-        safe_serialization: bool = True,
-        **save_model_func_kwargs: Any,
-    ) -> str:
-        """Save models, optimizers, schedulers, RNG states and registered objects with Accelerate's file names.
-
-        Under FSDP and DeepSpeed the engine writes the models and optimizers (sharded or gathered, by the plugin);
-        ``save_model_func_kwargs`` go to DeepSpeed's ``save_checkpoint``. Returns the checkpoint directory. See
-        :func:`lightning_accel.checkpointing.save_state`.
-        """
-        return checkpointing.save_state(
-            self, output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs
-        )
-
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, **load_model_func_kwargs: Any) -> str:
-        """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.
-
-        ``load_model_func_kwargs`` go to DeepSpeed's ``load_checkpoint``.
-        """
-        return checkpointing.load_state(self, input_dir, **load_model_func_kwargs)
 
 
 def _is_raw_optimizer(obj: Any) -> bool:

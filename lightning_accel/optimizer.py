@@ -39,7 +39,7 @@ class AcceleratedOptimizer(Optimizer):
         self.engine_steps = engine_steps
         self._stepper: Optimizer = getattr(optimizer, "optimizer", optimizer) if plain_step else optimizer
         self.gradient_state = GradientState()
-        self._step_was_skipped = False
+        self._is_overflow = False
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -78,17 +78,17 @@ class AcceleratedOptimizer(Optimizer):
 
         DeepSpeed's optimizers report the overflow as ``overflow``, which Accelerate's wrapper reads too.
         """
-        self._step_was_skipped = bool(getattr(self.optimizer, "overflow", False))
+        self._is_overflow = bool(getattr(self.optimizer, "overflow", False))
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         result = self._stepper.step(closure) if closure is not None else self._stepper.step()
-        self._step_was_skipped = bool(getattr(self.precision, "step_was_skipped", False))
+        self._is_overflow = bool(getattr(self.precision, "step_was_skipped", False))
         return result
 
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last ``step`` was skipped by the gradient scaler (inf/NaN gradients in fp16)."""
-        return self._step_was_skipped
+        return self._is_overflow
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""The ``Accelerator``'s checkpoint surface: registered objects and hooks, state dicts, ``save_model``, ``save_state``.
+
+The files and their names are :mod:`lightning_accel.checkpointing`'s; sharded engines (FSDP, DeepSpeed) write theirs
+through :mod:`lightning_accel._sharded_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from lightning.fabric import Fabric
+from torch.nn import Module
+from torch.utils.hooks import RemovableHandle
+
+from lightning_accel import checkpointing
+from lightning_accel._module import AcceleratedModule
+from lightning_accel.config import ProjectConfiguration
+from lightning_accel.utils.other import extract_model_from_parallel, save
+
+if TYPE_CHECKING:
+    from lightning_accel.accelerator import Accelerator
+
+__all__ = ["CheckpointControl"]
+
+
+class CheckpointControl:
+    """Accelerate's checkpoint methods, for the ``Accelerator``."""
+
+    fabric: Fabric
+    project_configuration: ProjectConfiguration
+    _models: list[AcceleratedModule]
+    _custom_objects: list[Any]
+    _save_state_pre_hooks: OrderedDict[int, Callable[..., None]]
+    _load_state_pre_hooks: OrderedDict[int, Callable[..., None]]
+
+    if TYPE_CHECKING:  # the Accelerator's, from ProcessControl
+
+        @property
+        def is_main_process(self) -> bool: ...
+
+        def wait_for_everyone(self) -> None: ...
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore ``objects`` (each with ``state_dict``/``load_state_dict``) in ``save_state``/``load_state``.
+
+        Raises:
+            ValueError: Naming the objects that lack either method.
+
+        """
+        invalid = [
+            f"Item at index {i} ({type(o).__name__})"
+            for i, o in enumerate(objects)
+            if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
+        ]
+        if invalid:
+            raise ValueError(
+                f"Objects to checkpoint need `state_dict` and `load_state_dict` methods; these lack them: {invalid}."
+            )
+        self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(models, weights, output_dir)`` in ``save_state`` before the weights are written.
+
+        The hook may pop entries from ``weights`` (and ``models``) to save them its own way.
+        """
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(models, input_dir)`` in ``load_state`` before the weights are loaded (it may pop models)."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def get_state_dict(self, model: Module, unwrap: bool = True) -> dict[str, Any]:
+        """The model's full state dict (on every process, or on the main process only for sharded weights).
+
+        Sharded weights are gathered to the main process's CPU, as Accelerate does under FSDP and DeepSpeed ZeRO-3;
+        the other processes get ``{}`` (collective: every process calls it). ZeRO-3 needs
+        ``DeepSpeedPlugin(zero3_save_16bit_model=True)``, as in Accelerate.
+
+        With ``unwrap=False`` it is the strategy-wrapped module's own state dict (DDP keys keep ``module.``).
+
+        Raises:
+            ValueError: Under ZeRO-3 without ``zero3_save_16bit_model``.
+
+        """
+        if not unwrap:
+            return dict(self.fabric.strategy.get_module_state_dict(getattr(model, "_forward_module", model)))
+        from lightning_accel._sharded_checkpoint import engine_checkpoint
+
+        engine = engine_checkpoint(self.fabric.strategy)
+        if engine is not None:
+            return engine.full_state_dict(model, self._models)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        module = extract_model_from_parallel(model)
+        sharded = any(isinstance(p, DTensor) for p in module.parameters())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=sharded)  # torch gathers for any parallelism
+        return dict(get_model_state_dict(module, options=options))
+
+    def save_model(
+        self,
+        model: Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the model's weights: ``model.safetensors``, or shards and an index past ``max_shard_size``.
+
+        File names and the index are Accelerate's (Hugging Face's), so ``from_pretrained``-style loaders read them.
+        """
+        checkpointing.save_model(
+            self.get_state_dict(model),
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            is_main_process=self.is_main_process,
+        )
+        self.wait_for_everyone()
+
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """Save ``obj`` once (per node with ``save_on_each_node``); see :func:`lightning_accel.utils.other.save`."""
+        save(obj, f, self.project_configuration.save_on_each_node, safe_serialization=safe_serialization)
+
+    def save_state(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> str:
+        """Save models, optimizers, schedulers, RNG states and registered objects with Accelerate's file names.
+
+        Under FSDP and DeepSpeed the engine writes the models and optimizers (sharded or gathered, by the plugin);
+        ``save_model_func_kwargs`` go to DeepSpeed's ``save_checkpoint``. Returns the checkpoint directory. See
+        :func:`lightning_accel.checkpointing.save_state`.
+        """
+        return checkpointing.save_state(
+            cast("Accelerator", self), output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs
+        )
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, **load_model_func_kwargs: Any) -> str:
+        """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.
+
+        ``load_model_func_kwargs`` go to DeepSpeed's ``load_checkpoint``.
+        """
+        return checkpointing.load_state(cast("Accelerator", self), input_dir, **load_model_func_kwargs)
