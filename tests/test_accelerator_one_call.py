@@ -99,6 +99,9 @@ def test_one_call_errors_name_the_problem_and_the_fix(ranks: list[dict[str, Any]
     assert "use_orig_params=True" in errors["split_flat_parameter"]
     assert "shape (3, 5) at param_groups[0]['params'][6] that is not a parameter" in errors["foreign_tensor"]
     assert "already holds state for 6 parameters" in errors["stepped_optimizer"]
+    for variant in ("separate_prepare_fsdp2", "separate_prepare_fsdp1_flat"):  # silent in HF accelerate's FSDP1
+        assert "is not a parameter of any model acc_fsdp sharded" in errors[variant]
+        assert "accelerator.prepare(model, optimizer, ...)" in errors[variant]
     assert ranks[1]["errors"] == errors
 
 

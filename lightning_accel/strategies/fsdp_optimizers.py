@@ -4,7 +4,8 @@ An Accelerate script builds the optimizer from the unsharded model and prepares 
 (``accelerator.prepare(model, optimizer, ...)``). FSDP2 replaces every parameter by a sharded ``DTensor`` one, FSDP1
 with ``use_orig_params=False`` by flat parameters, so such an optimizer would update tensors the model no longer uses.
 :func:`optimizer_parameter_names` records, before sharding, the name in the model of every parameter the optimizers
-hold; :func:`repoint_optimizers` then puts the sharded parameter of that name in its place. Param-group settings
+hold; :func:`repoint_optimizers` then puts the sharded parameter of that name in its place. An optimizer set up on
+its own must already hold the sharded parameters (:func:`check_sharded_parameters`). Param-group settings
 (``lr``, ``weight_decay``, ...) stay as they are, and so do the group lists themselves (replaced in place), so whatever
 holds a reference to a group's list sees the sharded parameters too.
 
@@ -16,7 +17,7 @@ get a gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.nn import Module, Parameter
@@ -120,6 +121,26 @@ def repoint_optimizers(sharded: Module, optimizers: Sequence[Optimizer], names: 
     for optimizer, per_group in zip(optimizers, replacements, strict=True):
         for group, params in zip(optimizer.param_groups, per_group, strict=True):
             group["params"][:] = params
+
+
+def check_sharded_parameters(optimizer: Optimizer, sharded: Iterable[Module]) -> None:
+    """Refuse an optimizer that holds tensors none of the ``sharded`` modules has (it was built before sharding).
+
+    Raises:
+        ValueError: Naming the first such tensor and the two ways to set the optimizer up.
+
+    """
+    held = {id(p) for module in sharded for p in module.parameters()}
+    for group_index, group in enumerate(optimizer.param_groups):
+        for position, param in enumerate(group["params"]):
+            if id(param) not in held:
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)} at"
+                    f" param_groups[{group_index}]['params'][{position}] that is not a parameter of any model acc_fsdp"
+                    " sharded: built before sharding, it would update tensors the model no longer uses. Set the model"
+                    " and the optimizer up together (`fabric.setup(model, optimizer)`, `accelerator.prepare(model,"
+                    " optimizer, ...)`), or build the optimizer from the sharded model's parameters."
+                )
 
 
 def _sharded_parameters(sharded: Module) -> tuple[dict[str, Parameter], dict[int, set[str]]]:

@@ -8,7 +8,7 @@ cannot shard on CPU) and under lightning_accel, in one launch:
   False), DeepSpeed ZeRO-1/2/3 (when deepspeed is installed), plain ``Fabric(strategy="acc_fsdp")`` with
   ``fabric.setup(model, optimizer)`` (against plain DDP) and torchao float8 training under FSDP2 (against DDP); then
   the one-call errors (a flat parameter split between param groups, a tensor that is not the model's, an optimizer
-  that has stepped).
+  that has stepped) and the error for an optimizer built before a separate ``prepare(model)``.
 - ``--mode env`` (under ``lightning-accel launch --config_file ...``): lightning_accel's plain ``Accelerator()``, set up
   by the launcher's environment; HF accelerate's reference run does not see the launcher's FSDP variables.
 
@@ -246,6 +246,13 @@ def stepped_optimizer(accelerator: Any) -> None:
     accelerator.prepare(model, optimizer)
 
 
+def optimizer_before_a_separate_prepare(accelerator: Any) -> None:
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator.prepare(model)
+    accelerator.prepare(optimizer)
+
+
 def _fsdp(version: int, **fields: Any) -> dict[str, Any]:
     from lightning_accel.utils import FullyShardedDataParallelPlugin
 
@@ -286,6 +293,10 @@ def matrix() -> dict[str, Any]:
             "split_flat_parameter": error(split_flat_parameter, **_fsdp(1, use_orig_params=False)),
             "foreign_tensor": error(foreign_tensor, **_fsdp(2)),
             "stepped_optimizer": error(stepped_optimizer, **_fsdp(2)),
+            "separate_prepare_fsdp2": error(optimizer_before_a_separate_prepare, **_fsdp(2)),
+            "separate_prepare_fsdp1_flat": error(
+                optimizer_before_a_separate_prepare, **_fsdp(1, use_orig_params=False)
+            ),
         },
     }
     if importlib.util.find_spec("deepspeed") is not None:  # last: DeepSpeed ends the run's process group
