@@ -29,6 +29,7 @@ from lightning_accel.config import (
 )
 from lightning_accel.data_loader import skip_first_batches
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType, PrecisionType
+from lightning_accel.launchers import debug_launcher, notebook_launcher
 from lightning_accel.state import AcceleratorState, GradientState, PartialState
 from lightning_accel.strategies import register_strategies, strategy_for
 from lightning_accel.utils.memory import find_executable_batch_size
@@ -61,6 +62,7 @@ __all__ = [
     "attach_layerwise_casting_hooks",
     "cpu_offload",
     "cpu_offload_with_hook",
+    "debug_launcher",
     "disk_offload",
     "dispatch_model",
     "find_executable_batch_size",
@@ -69,6 +71,7 @@ __all__ = [
     "init_on_device",
     "load_checkpoint_and_dispatch",
     "load_checkpoint_in_model",
+    "notebook_launcher",
     "skip_first_batches",
     "strategy_for",
 ]

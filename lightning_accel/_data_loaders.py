@@ -30,7 +30,7 @@ from lightning_accel.utils.operations import (
 )
 from lightning_accel.utils.random import synchronize_rng_states
 
-__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "stateful_dataloader_class"]
+__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "DataLoaderStateMixin", "stateful_dataloader_class"]
 
 _STATEFUL_HINT = "pip install 'lightning-accel[stateful]' (or pip install 'torchdata>=0.8')"
 
@@ -52,7 +52,51 @@ def stateful_dataloader_class() -> type[DataLoader]:
     return StatefulDataLoader
 
 
-class DataLoaderShard(DataLoader):
+class DataLoaderStateMixin:
+    """What a loader tells :class:`~lightning_accel.state.GradientState` while it is iterated (Accelerate's mixin).
+
+    A loader class mixes it in, sets ``self.gradient_state = GradientState()``, calls :meth:`begin` before its first
+    batch and :meth:`end` after its last, and sets ``end_of_dataloader`` when the batch it hands out is the last one;
+    gradient accumulation then syncs on the last batch, and ``gather_for_metrics`` drops ``remainder``'s padding.
+
+    Attributes:
+        end_of_dataloader: Whether the batch being processed is the loader's last.
+        remainder: Samples in the last global batch (``-1`` when unknown or when the last batch is dropped).
+
+    """
+
+    end_of_dataloader: bool = False
+    remainder: int = -1
+    gradient_state: GradientState
+
+    def reset(self) -> None:
+        """Forget the previous iteration's end and remainder."""
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+    def begin(self) -> None:
+        """Start an iteration: reset, compute the remainder and become the gradient state's active loader."""
+        self.reset()
+        self.remainder = self._initial_remainder()
+        self.gradient_state._add_dataloader(self)
+
+    def end(self) -> None:
+        """Finish an iteration: the gradient state's active loader goes back to the enclosing one (if any)."""
+        self.gradient_state._remove_dataloader(self)
+
+    def _initial_remainder(self) -> int:
+        """Dataset length modulo the global batch size; ``-1`` with ``drop_last`` or when either is unknown."""
+        loader: Any = self  # a DataLoader subclass: dataset, drop_last and total_batch_size are its attributes
+        if getattr(loader, "drop_last", False):
+            return -1
+        try:
+            length = getattr(loader.dataset, "total_dataset_length", None)
+            return int(len(loader.dataset) if length is None else length) % int(loader.total_batch_size)
+        except (TypeError, AttributeError):  # an unsized dataset, or no known batch size
+            return -1
+
+
+class DataLoaderShard(DataLoaderStateMixin, DataLoader):
     """A ``DataLoader`` that moves batches to the device and tells :class:`GradientState` when its last batch comes.
 
     It looks one batch ahead, so ``end_of_dataloader`` is already true while the last batch is processed.
@@ -133,7 +177,7 @@ class DataLoaderShard(DataLoader):
     @override
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not a _BaseDataLoaderIter
         synchronize_rng_states(self.rng_types, self.synchronized_generator)
-        self._begin()
+        self.begin()
         try:
             self.set_epoch(self.iteration)
             skip, self.resume_position = max(self.skip_batches, self.resume_position), 0
@@ -142,7 +186,7 @@ class DataLoaderShard(DataLoader):
             self.position = 0
             self._resumed_batches = 0
         finally:
-            self.gradient_state._remove_dataloader(self)
+            self.end()
 
     def _base_batches(self) -> Iterator[Any]:
         """The batches of this process's loader (torchdata's ``StatefulDataLoader`` when stateful)."""
@@ -170,11 +214,7 @@ class DataLoaderShard(DataLoader):
             index += 1
             current = upcoming
 
-    def _begin(self) -> None:
-        self.end_of_dataloader = False
-        self.remainder = self._initial_remainder()
-        self.gradient_state._add_dataloader(self)
-
+    @override
     def _initial_remainder(self) -> int:
         if self.source_drop_last:
             return -1
@@ -279,7 +319,8 @@ class DataLoaderDispatcher(DataLoaderShard):
         process_index: This process's rank.
         split_batches: Slice each batch instead of dealing whole batches.
         slice_fn: ``slice_fn(batch, slice, process_index=, num_processes=)`` (default :func:`slice_tensors`).
-        **kwargs: :class:`DataLoaderShard` keyword arguments (``device`` is required).
+        **kwargs: :class:`DataLoaderShard` keyword arguments; without ``device`` the batches are broadcast where the
+            collate function put them (CPU for gloo).
 
     """
 
@@ -338,7 +379,6 @@ class DataLoaderDispatcher(DataLoaderShard):
 
     @override
     def _stream(self, skip: int) -> Iterator[Any]:
-        assert self.device is not None, "dispatching needs a device"
         batches = self._base_batches()  # on every process, as Accelerate does
         self._stopped = False
         first = None
@@ -348,7 +388,9 @@ class DataLoaderDispatcher(DataLoaderShard):
         while not stop and upcoming[1][0] is not None:
             batch, (spec, _) = upcoming
             batch = batch if self.process_index == 0 else _empty(spec)
-            batch = broadcast(send_to_device(batch, self.device, non_blocking=self.non_blocking), from_process=0)
+            if self.device is not None:
+                batch = send_to_device(batch, self.device, non_blocking=self.non_blocking)
+            batch = broadcast(batch, from_process=0)
             if not self.source_drop_last and first is None:
                 first = self._slice(batch, slice(0, self.num_processes))
             observed = find_batch_size(batch)

@@ -16,21 +16,30 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
-from lightning_accel._data_loaders import DataLoaderDispatcher, DataLoaderShard, stateful_dataloader_class
+from lightning_accel._data_loaders import (
+    DataLoaderDispatcher,
+    DataLoaderShard,
+    DataLoaderStateMixin,
+    stateful_dataloader_class,
+)
 from lightning_accel._data_sharding import BatchSamplerShard, IterableDatasetShard, check_split_batch_size
+from lightning_accel.state import GradientState, PartialState
 
 __all__ = [
     "BatchSamplerShard",
     "DataLoaderDispatcher",
     "DataLoaderShard",
+    "DataLoaderStateMixin",
     "IterableDatasetShard",
     "SeedableRandomSampler",
+    "SkipBatchSampler",
+    "SkipDataLoader",
     "get_sampler",
     "prepare_data_loader",
     "skip_first_batches",
@@ -93,47 +102,65 @@ def get_sampler(dataloader: DataLoader) -> Any:
 
 def prepare_data_loader(
     dataloader: DataLoader,
-    device: torch.device | None,
-    *,
-    num_processes: int,
-    process_index: int,
+    device: torch.device | None = None,
+    num_processes: int | None = None,
+    process_index: int | None = None,
     split_batches: bool = False,
+    put_on_device: bool | None = None,
+    rng_types: Sequence[Any] | None = None,
     dispatch_batches: bool | None = None,
     even_batches: bool = True,
-    rng_types: Sequence[str] = ("generator",),
+    slice_fn_for_dispatch: Callable[..., Any] | None = None,
     use_seedable_sampler: bool = False,
     data_seed: int | None = None,
     non_blocking: bool = False,
     use_stateful_dataloader: bool = False,
-    slice_fn_for_dispatch: Callable[..., Any] | None = None,
+    torch_device_mesh: Any = None,
 ) -> DataLoaderShard:
-    """Rebuild ``dataloader`` for this process, as Accelerate's ``prepare_data_loader`` does.
+    """Rebuild ``dataloader`` for this process, as Accelerate's ``prepare_data_loader`` does (same arguments).
 
     Args:
         dataloader: The user's loader.
-        device: Where batches go; ``None`` leaves them where they are (and turns the ``dispatch_batches=None``
-            default off).
-        num_processes: Number of processes.
-        process_index: This process's rank.
+        device: The device of this process.
+        num_processes: Number of processes (default: ``PartialState().num_processes``).
+        process_index: This process's rank (default: ``PartialState().process_index``).
         split_batches: Split each batch between the processes instead of giving each its own batches.
-        dispatch_batches: Process 0 reads and the others receive; ``None`` means "for iterable datasets" (when
-            ``device`` is set).
+        put_on_device: Move the batches to ``device``. ``None`` (the default here) moves them when ``device`` is
+            given, which is how the ``Accelerator`` calls it; Accelerate's default is ``False``, so pass it
+            explicitly for code that must behave the same under both.
+        rng_types: Generators synchronised from process 0 at each iteration (``"generator"``, ``"torch"``);
+            ``None``: none.
+        dispatch_batches: Process 0 reads and the others receive; ``None`` means "for iterable datasets" when the
+            batches are moved to the device.
         even_batches: Pad the last round so that every process gets as many batches.
-        rng_types: Generators synchronised at each iteration.
+        slice_fn_for_dispatch: How a dispatched batch is sliced.
         use_seedable_sampler: Replace a ``RandomSampler`` by a :class:`SeedableRandomSampler`.
         data_seed: Seed of the seedable sampler.
         non_blocking: Non-blocking host-to-device copies.
         use_stateful_dataloader: Back the loader with torchdata's ``StatefulDataLoader``.
-        slice_fn_for_dispatch: How a dispatched batch is sliced.
+        torch_device_mesh: Accelerate's tensor/context-parallel mesh; not supported yet (must be ``None``).
 
     Raises:
-        ValueError: For ``dispatch_batches=True`` without a device, or ``split_batches`` with a batch size that the
-            number of processes does not divide.
+        ValueError: For ``dispatch_batches=True`` without device placement, an unknown rng type, or
+            ``split_batches`` with a batch size that the number of processes does not divide.
+        NotImplementedError: For a ``torch_device_mesh``.
         ImportError: For ``use_stateful_dataloader`` without torchdata.
 
     """
+    if torch_device_mesh is not None:
+        raise NotImplementedError(
+            "prepare_data_loader(torch_device_mesh=...) shards batches over a tensor/context-parallel mesh, which "
+            "lightning_accel's loaders do not do yet; prepare the loader without a mesh"
+        )
+    state = PartialState()
+    num_processes = state.num_processes if num_processes is None else num_processes
+    process_index = state.process_index if process_index is None else process_index
+    rng_types = check_rng_types(rng_types or ())
+    if put_on_device is None:
+        put_on_device = device is not None
+    device = device if put_on_device else None
     if dispatch_batches is None:
-        dispatch_batches = device is not None and isinstance(dataloader.dataset, IterableDataset)
+        dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
     if dispatch_batches and device is None:
         raise ValueError(
             "dispatch_batches=True sends the batches from process 0 to the device of each process, so it needs device"
@@ -269,20 +296,188 @@ def _with_sampler(batch_sampler: Any, sampler: Any) -> Any:
     return replaced
 
 
-def skip_first_batches(dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
-    """A copy of a prepared loader whose iterations start after ``num_batches`` batches (to resume mid-epoch).
+class SkipBatchSampler(BatchSampler):
+    """A batch sampler yielding the batches of ``batch_sampler`` after its first ``skip_batches``.
+
+    Args:
+        batch_sampler: Any iterable of index lists (a ``BatchSampler``, a :class:`BatchSamplerShard`, ...).
+        skip_batches: How many of its first batches to leave out (in every iteration).
+
+    """
+
+    def __init__(self, batch_sampler: Any, skip_batches: int = 0) -> None:
+        if skip_batches < 0:
+            raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
+        # BatchSampler.__init__ is not called: the batches, their size and drop_last are batch_sampler's.
+        self.batch_sampler = batch_sampler
+        self.skip_batches = skip_batches
+        self.sampler = getattr(batch_sampler, "sampler", None)  # type: ignore[assignment]  # None: it has none
+        self.batch_size = getattr(batch_sampler, "batch_size", None)  # type: ignore[assignment]  # None: no size
+        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+
+    @override
+    def __iter__(self) -> Iterator[list[int]]:
+        for index, batch in enumerate(self.batch_sampler):
+            if index >= self.skip_batches:
+                yield batch
+
+    @property
+    def total_length(self) -> int:
+        """Batches of the wrapped sampler, skipped ones included."""
+        return len(self.batch_sampler)
+
+    @override
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.skip_batches, 0)
+
+
+class SkipDataLoader(DataLoaderStateMixin, DataLoader):
+    """A ``DataLoader`` whose iterations start after its first ``skip_batches`` batches.
+
+    The batches are drawn from ``base_dataloader``, a ``DataLoader`` (or, with ``use_stateful_dataloader``, torchdata's
+    ``StatefulDataLoader``) built with the same arguments. It tells
+    :class:`~lightning_accel.state.GradientState` when its last batch comes, like the prepared loaders.
+
+    Args:
+        dataset: The dataset.
+        skip_batches: Batches left out at the start of every iteration.
+        use_stateful_dataloader: Draw from a ``StatefulDataLoader``, whose state :meth:`state_dict` returns.
+        **kwargs: ``DataLoader`` arguments.
 
     Raises:
-        TypeError: If ``dataloader`` was not prepared by the ``Accelerator``.
+        ValueError: If ``skip_batches`` is negative.
+        ImportError: For ``use_stateful_dataloader`` without torchdata.
+
+    """
+
+    def __init__(
+        self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs: Any
+    ) -> None:
+        if skip_batches < 0:
+            raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
+        loader_class = stateful_dataloader_class() if use_stateful_dataloader else DataLoader
+        super().__init__(dataset, **kwargs)
+        base: Any = loader_class(dataset, **kwargs)
+        self.base_dataloader = base
+        self.skip_batches = skip_batches
+        self.use_stateful_dataloader = use_stateful_dataloader
+        self.gradient_state = GradientState()
+        self._state: dict[str, Any] = base.state_dict() if use_stateful_dataloader else {}
+
+    @override
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not a _BaseDataLoaderIter
+        self.begin()
+        try:
+            batches = enumerate(self.base_dataloader)
+            current = next(batches, None)
+            while current is not None:
+                self._snapshot()
+                upcoming = next(batches, None)
+                self.end_of_dataloader = upcoming is None
+                if self.end_of_dataloader:
+                    self._snapshot()
+                if current[0] >= self.skip_batches:
+                    yield current[1]
+                current = upcoming
+        finally:
+            self.end()
+
+    @override
+    def __len__(self) -> int:
+        return max(len(self.base_dataloader) - self.skip_batches, 0)
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples per batch (``None`` when the batch sampler has no ``batch_size``)."""
+        return self.batch_size if self.batch_size is not None else getattr(self.batch_sampler, "batch_size", None)
+
+    def _snapshot(self) -> None:
+        if self.use_stateful_dataloader:
+            self._state = self.base_dataloader.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``StatefulDataLoader``'s state as of the last batch handed out.
+
+        Raises:
+            TypeError: Without ``use_stateful_dataloader`` (a plain ``DataLoader`` has no state to resume from).
+
+        """
+        self._require_stateful("state_dict")
+        return self._state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the ``StatefulDataLoader`` from a :meth:`state_dict`.
+
+        Raises:
+            TypeError: Without ``use_stateful_dataloader``.
+
+        """
+        self._require_stateful("load_state_dict")
+        self.base_dataloader.load_state_dict(state_dict)
+        self._state = state_dict
+
+    def _require_stateful(self, method: str) -> None:
+        if not self.use_stateful_dataloader:
+            raise TypeError(
+                f"SkipDataLoader.{method} needs SkipDataLoader(..., use_stateful_dataloader=True): a plain DataLoader "
+                "keeps no state to resume from"
+            )
+
+
+def _plain_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
+    """The arguments of a plain ``DataLoader`` that a skipping copy keeps (not those of its sampling)."""
+    kwargs: dict[str, Any] = {name: getattr(dataloader, name) for name in (*_CARRIED, "generator")}
+    kwargs["pin_memory_device"] = dataloader.pin_memory_device
+    kwargs["in_order"] = dataloader.in_order
+    if dataloader.num_workers > 0:
+        kwargs.update({name: getattr(dataloader, name) for name in _WORKER_ONLY})
+    return kwargs
+
+
+def _skip_plain_loader(dataloader: DataLoader, num_batches: int) -> DataLoader:
+    """Accelerate's skipping copy of a loader the ``Accelerator`` did not prepare."""
+    kwargs = _plain_loader_kwargs(dataloader)
+    if isinstance(dataloader.dataset, IterableDataset):
+        return SkipDataLoader(
+            dataloader.dataset,
+            skip_batches=num_batches,
+            batch_size=dataloader.batch_size,
+            drop_last=dataloader.drop_last,
+            **kwargs,
+        )
+    if isinstance(dataloader.sampler, BatchSampler):  # the batch sampler passed as `sampler`, batch_size=None
+        skipping = SkipBatchSampler(dataloader.sampler, skip_batches=num_batches)
+        return DataLoader(dataloader.dataset, sampler=skipping, batch_size=dataloader.batch_size, **kwargs)
+    skipping = SkipBatchSampler(dataloader.batch_sampler, skip_batches=num_batches)
+    return DataLoader(dataloader.dataset, batch_sampler=skipping, **kwargs)
+
+
+@overload
+def skip_first_batches(dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard: ...
+
+
+@overload
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader: ...
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A copy of ``dataloader`` whose iterations start after ``num_batches`` batches (to resume mid-epoch).
+
+    A prepared loader (:class:`DataLoaderShard`, :class:`DataLoaderDispatcher`) is copied with its epoch, position
+    and sharding. Any other ``DataLoader`` becomes, as in Accelerate, a ``DataLoader`` over a
+    :class:`SkipBatchSampler` (map-style datasets) or a :class:`SkipDataLoader` (iterable datasets).
+
+    Raises:
+        TypeError: If ``dataloader`` is not a ``DataLoader``.
         ValueError: If ``num_batches`` is negative.
 
     """
-    if not isinstance(dataloader, DataLoaderShard):
-        raise TypeError(
-            f"skip_first_batches needs a DataLoader prepared by Accelerator.prepare, got {type(dataloader).__name__}."
-        )
     if num_batches < 0:
         raise ValueError(f"num_batches must be >= 0, got {num_batches}.")
+    if not isinstance(dataloader, DataLoaderShard):
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(f"skip_first_batches needs a torch DataLoader, got {type(dataloader).__name__}.")
+        return _skip_plain_loader(dataloader, num_batches)
     skipping = copy.copy(dataloader)
     skipping.skip_batches = num_batches
     dataloader.resume_position = 0  # the copy takes over a position restored by load_state

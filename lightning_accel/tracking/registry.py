@@ -62,13 +62,24 @@ def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
     ``init_trackers`` builds it as ``tracker_class(project_name, [logging_dir,] **init_kwargs[name])``.
 
     Raises:
-        ValueError: If it is not a ``GeneralTracker`` subclass or has no ``name``.
+        ValueError: If it is not a ``GeneralTracker`` subclass, has no ``name``, or does not set
+            ``requires_logging_directory`` itself (the base class's default does not count, as in Accelerate).
 
     """
     if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
         raise ValueError(f"register_tracker_class takes a GeneralTracker subclass, got {tracker_class!r}.")
     if not tracker_class.name:
         raise ValueError(f"{tracker_class.__name__} needs a non-empty class attribute `name` to be registered.")
+    declared = any(
+        "requires_logging_directory" in vars(klass)
+        for klass in tracker_class.__mro__[:-1]
+        if klass is not GeneralTracker
+    )
+    if not declared:
+        raise ValueError(
+            f"{tracker_class.__name__} must set the class attribute `requires_logging_directory` (True when it writes "
+            "under the Accelerator's logging directory, which init_trackers then passes as its second argument)."
+        )
     if tracker_class.name in LOGGER_TYPE_TO_CLASS:
         warnings.warn(
             f"Tracker name {tracker_class.name!r} now selects {tracker_class.__name__} instead of"

@@ -66,6 +66,7 @@ from lightning_accel.utils.environment_patching import (
     patch_environment,
     purge_accelerate_environment,
 )
+from lightning_accel.utils.fsdp_utils import merge_fsdp_weights
 from lightning_accel.utils.imports import (
     check_cuda_fp8_capability,
     deepspeed_required,
@@ -375,6 +376,7 @@ __all__ = [
     "load_offloaded_weight",
     "load_offloaded_weights",
     "load_state_dict",
+    "merge_fsdp_weights",
     "named_module_tensors",
     "offload_state_dict",
     "offload_weight",

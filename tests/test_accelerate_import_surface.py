@@ -1,0 +1,585 @@
+"""Accelerate's import surface in lightning_accel, checked against HF accelerate 1.15 on the same inputs.
+
+Availability checks, version and truth-word parsing, the launcher's environment, tensor helpers, the skipping data
+loaders, the launchers (real processes), the unimplemented trackers and the config re-exports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import accelerate.data_loader as hf_data_loader
+import accelerate.utils as hf
+import accelerate.utils.imports as hf_imports
+import accelerate.utils.launch as hf_launch
+import pytest
+import torch
+from packaging.version import Version
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+
+import lightning_accel
+from lightning_accel import utils as ours
+from lightning_accel.data_loader import SkipBatchSampler, SkipDataLoader, skip_first_batches
+from lightning_accel.enums import DistributedType
+from lightning_accel.state import GradientState, PartialState, reset_state
+from lightning_accel.utils import imports as our_imports
+from lightning_accel.utils.environment import settings_from_env
+from lightning_accel.utils.launch import prepare_multi_gpu_env
+from lightning_accel.utils.other import get_free_port
+from tests.helpers import REPO, clean_env
+
+
+@pytest.fixture(autouse=True)
+def fresh_state() -> Iterator[None]:
+    reset_state()
+    yield
+    reset_state()
+
+
+# ---- availability checks ------------------------------------------------------------------------------------------
+
+_CHECKS = sorted(name for name in our_imports.__all__ if name.startswith("is_") and name != "is_torch_version")
+
+
+def test_every_accelerate_check_exists() -> None:
+    theirs = {name for name in dir(hf_imports) if name.startswith("is_") and callable(getattr(hf_imports, name))}
+    theirs -= {"is_torch_version"}
+    assert theirs == set(_CHECKS), sorted(theirs ^ set(_CHECKS))
+    for name in ("is_mps_available", "is_npu_available", "is_torch_xla_available", "is_bnb_available"):
+        assert name in dir(ours)
+
+
+@pytest.mark.parametrize("name", _CHECKS)
+def test_availability_agrees_with_hf(name: str) -> None:
+    assert getattr(our_imports, name)() == bool(getattr(hf_imports, name)()), name
+
+
+def test_availability_arguments_agree_with_hf() -> None:
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("is_mps_available", {"min_version": "2.0"}),
+        ("is_npu_available", {"check_device": True}),
+        ("is_xpu_available", {"check_device": True}),
+        ("is_hpu_available", {"init_hccl": True}),
+        ("is_torch_xla_available", {"check_is_tpu": True}),
+        ("is_torch_xla_available", {"check_is_gpu": True}),
+        ("is_bnb_available", {"min_version": "0.40"}),
+        ("is_bf16_available", {"ignore_tpu": True}),
+        ("is_numpy_available", {"min_version": "99.0"}),
+    ]
+    for name, kwargs in calls:
+        assert getattr(our_imports, name)(**kwargs) == bool(getattr(hf_imports, name)(**kwargs)), (name, kwargs)
+    with pytest.raises(ValueError, match="at most one"):
+        our_imports.is_torch_xla_available(check_is_tpu=True, check_is_gpu=True)
+
+
+def test_availability_checks_import_no_package() -> None:
+    """Asking every check imports none of the packages it asks about (a fresh interpreter)."""
+    code = (
+        "import sys, lightning_accel.utils.imports as m\n"
+        "before = set(sys.modules)\n"
+        "[getattr(m, n)() for n in m.__all__ if n.startswith('is_') and n != 'is_torch_version']\n"
+        "new = sorted({k.split('.')[0] for k in set(sys.modules) - before})\n"
+        "print(','.join(new))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, check=True)
+    heavy = {"deepspeed", "transformers", "wandb", "comet_ml", "mlflow", "torchao", "torchdata", "tensorboard"}
+    assert not heavy & set(out.stdout.strip().split(",")), out.stdout
+
+
+def test_cuda_fp8_capability_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        assert our_imports.check_cuda_fp8_capability() == hf.check_cuda_fp8_capability()
+        return
+    our_imports.check_cuda_fp8_capability.cache_clear()
+    with mock.patch("shutil.which", return_value=None), pytest.raises(RuntimeError, match="CUDA GPU"):
+        our_imports.check_cuda_fp8_capability()
+    our_imports.check_cuda_fp8_capability.cache_clear()
+
+
+# ---- versions and truth words -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("library", "operation", "version"),
+    [
+        ("torch", ">=", "2.0"),
+        ("torch", "<", "2.0"),
+        ("numpy", "==", "0.1"),
+        ("packaging", "!=", "1.0"),
+        (Version("2.5.0"), "<=", "2.5"),
+        (Version("2.5.0+cpu"), "==", "2.5.0"),
+        (Version("2.6.0.dev20240101"), ">=", "2.6"),
+    ],
+)
+def test_compare_versions_as_hf(library: Any, operation: str, version: str) -> None:
+    assert ours.compare_versions(library, operation, version) == hf.compare_versions(library, operation, version)
+
+
+def test_version_errors_and_torch_version() -> None:
+    with pytest.raises(ValueError, match="~="):
+        ours.compare_versions("torch", "~=", "2.0")
+    with pytest.raises(ValueError):
+        hf.compare_versions("torch", "~=", "2.0")
+    for operation, version in ((">=", "2.4"), ("<", "3.0"), ("==", torch.__version__), ("!=", "1.0")):
+        assert ours.is_torch_version(operation, version) == hf.is_torch_version(operation, version)
+    assert our_imports.is_torch_version is ours.is_torch_version  # the old path still works
+
+
+@pytest.mark.parametrize("word", ["y", "YES", "t", "True", "on", "1", "n", "No", "f", "FALSE", "off", "0"])
+def test_str_to_bool_as_hf(word: str) -> None:
+    assert ours.str_to_bool(word) == hf.str_to_bool(word)
+    assert ours.str_to_bool(word, to_bool=True) is hf.str_to_bool(word, to_bool=True)
+    assert type(ours.str_to_bool(word)) is int
+
+
+def test_str_to_bool_rejects_other_words() -> None:
+    with pytest.raises(ValueError, match="'maybe'"):
+        ours.str_to_bool("maybe")
+    with pytest.raises(ValueError):
+        hf.str_to_bool("maybe")
+
+
+def test_parse_flag_from_env() -> None:
+    assert ours.parse_flag_from_env("X_FLAG", environ={"X_FLAG": "yes"}) is True
+    assert ours.parse_flag_from_env("X_FLAG", default=True, environ={}) is True
+    assert ours.parse_flag_from_env("X_FLAG", environ={}) is False
+
+
+# ---- launch environment -------------------------------------------------------------------------------------------
+
+
+def _launch_args(**overrides: Any) -> argparse.Namespace:
+    """An ``accelerate launch`` namespace with the fields Accelerate's test_launch.py uses."""
+    fields: dict[str, Any] = {
+        "num_processes": 2,
+        "num_machines": 1,
+        "main_process_ip": "127.0.0.1",
+        "main_process_port": 0,
+        "machine_rank": 0,
+        "module": False,
+        "no_python": False,
+        "debug": False,
+        "gpu_ids": "all",
+        "mixed_precision": "no",
+        "dynamo_backend": "NO",
+        "dynamo_mode": "default",
+        "dynamo_use_fullgraph": False,
+        "dynamo_use_dynamic": False,
+        "dynamo_use_regional_compilation": False,
+        "use_fsdp": False,
+        "fsdp_cpu_ram_efficient_loading": False,
+        "fsdp_sync_module_states": False,
+        "fsdp_version": None,
+        "fsdp_sharding_strategy": None,
+        "fsdp_reshard_after_forward": False,
+        "fsdp_offload_params": False,
+        "fsdp_min_num_params": 0,
+        "fsdp_auto_wrap_policy": None,
+        "fsdp_transformer_layer_cls_to_wrap": None,
+        "fsdp_backward_prefetch": None,
+        "fsdp_state_dict_type": None,
+        "fsdp_forward_prefetch": False,
+        "fsdp_use_orig_params": False,
+        "fsdp_activation_checkpointing": False,
+        "fsdp_activation_checkpointing_offload": False,
+        "use_megatron_lm": False,
+        "num_cpu_threads_per_process": 1,
+        "enable_cpu_affinity": False,
+        "same_network": False,
+        "use_parallelism_config": False,
+    }
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+_LAUNCHES = {
+    "one machine, bf16": {"mixed_precision": "bf16"},
+    "fsdp2": {
+        "use_fsdp": True,
+        "fsdp_version": 2,
+        "fsdp_sharding_strategy": "FULL_SHARD",
+        "fsdp_reshard_after_forward": True,
+        "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+        "fsdp_min_num_params": 100,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    },
+    "two machines, gpu ids, debug": {
+        "num_machines": 2,
+        "num_processes": 4,
+        "machine_rank": 1,
+        "main_process_ip": "10.0.0.1",
+        "gpu_ids": "0,1",
+        "debug": True,
+    },
+    "same network": {"num_machines": 2, "num_processes": 4, "machine_rank": 1, "same_network": True},
+}
+
+
+@pytest.mark.parametrize("case", list(_LAUNCHES))
+def test_prepare_multi_gpu_env_as_hf(case: str) -> None:
+    port = get_free_port()
+    mine = _launch_args(main_process_port=port, **_LAUNCHES[case])
+    theirs = _launch_args(main_process_port=port, **_LAUNCHES[case])
+    ours_env, hf_env = prepare_multi_gpu_env(mine), hf_launch.prepare_multi_gpu_env(theirs)
+    assert vars(mine) == vars(theirs)  # the same torchrun options filled in
+    added = {key: value for key, value in ours_env.items() if os.environ.get(key) != value}
+    hf_added = {key: value for key, value in hf_env.items() if os.environ.get(key) != value}
+    assert set(added) == set(hf_added)
+    assert settings_from_env(added) == settings_from_env(hf_added)  # read back, the variables mean the same
+
+
+def test_prepare_multi_gpu_env_picks_a_port_and_checks_arguments() -> None:
+    args = _launch_args(num_processes=1)
+    prepare_multi_gpu_env(args)
+    assert args.master_port.isdigit() and args.master_port != "0" and args.nproc_per_node == "1"
+    with pytest.raises(ValueError, match="no_python"):
+        prepare_multi_gpu_env(_launch_args(module=True, no_python=True, main_process_port=get_free_port()))
+    with pytest.raises(ValueError, match="'fp7'"):
+        prepare_multi_gpu_env(_launch_args(mixed_precision="fp7", main_process_port=get_free_port()))
+
+
+def test_convert_dict_to_env_variables_as_hf(caplog: pytest.LogCaptureFixture) -> None:
+    env = {"ACCELERATE_DEBUG_MODE": "1", "BAD_ENV_NAME": "<mything", "OTHER_ENV": "2", "EMPTY": "", "A B": "1"}
+    with caplog.at_level(logging.WARNING):
+        lines = ours.convert_dict_to_env_variables(env)
+    assert lines == hf.convert_dict_to_env_variables(env) == ["ACCELERATE_DEBUG_MODE=1\n", "OTHER_ENV=2\n"]
+    left_out = [r.getMessage() for r in caplog.records if r.name == "lightning_accel.utils.environment"]
+    assert len(left_out) == 3 and "BAD_ENV_NAME" in left_out[0]
+
+
+# ---- tensor and model helpers -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch", "processes"), [(1, 2), (3, 2), (4, 3), (3, 4), (4, 6), (1, 6), (2, 6), (61, 6)])
+def test_pad_input_tensors_as_hf(batch: int, processes: int) -> None:
+    data = {"x": torch.rand(batch, 4, 2), "y": [torch.arange(batch)]}
+    mine, theirs = ours.pad_input_tensors(data, batch, processes), hf.pad_input_tensors(data, batch, processes)
+    assert torch.equal(mine["x"], theirs["x"]) and torch.equal(mine["y"][0], theirs["y"][0])
+    assert mine["x"].shape[0] % processes == 0
+
+
+def test_pad_input_tensors_fixes_hf_overpadding() -> None:
+    batch = torch.rand(2, 3)
+    assert hf.pad_input_tensors(batch, 2, 2).shape[0] == 3  # Accelerate 1.15 pads a batch that already divides
+    assert ours.pad_input_tensors(batch, 2, 2) is batch
+    assert hf.pad_input_tensors(torch.rand(7, 3), 7, 4).shape[0] == 10  # and past the next multiple
+    assert ours.pad_input_tensors(torch.rand(7, 3), 7, 4).shape[0] == 8
+    assert ours.pad_input_tensors(torch.rand(3, 5), 5, 2, dim=1).shape == (3, 6)
+    with pytest.raises(ValueError, match="num_processes"):
+        ours.pad_input_tensors(batch, 2, 0)
+
+
+def test_find_device_as_hf() -> None:
+    cases: list[Any] = [[1, "a", torch.tensor([1, 2, 3])], {"a": 1, "b": torch.tensor([1])}, [1, "a"], {}, ({"k": []},)]
+    for case in cases:
+        assert ours.find_device(case) == hf.find_device(case)
+
+
+def test_pad_across_processes_leaves_nested_tensors() -> None:
+    nested = torch.nested.nested_tensor([torch.ones(3), torch.ones(1)])
+    with pytest.warns(ours.CannotPadNestedTensorWarning, match="nested"):
+        assert ours.pad_across_processes(nested) is nested
+
+
+def test_get_model_tp_size_as_hf() -> None:
+    model = torch.nn.Linear(1, 1)
+    checks: list[Any] = [
+        {},
+        {"tp_size": 2},
+        {"tp_size": None, "config": SimpleNamespace(distributed_config=SimpleNamespace(tp_size=4))},
+        {"tp_size": None, "config": SimpleNamespace(distributed_config={"tp_size": 8})},
+        {"tp_size": None, "config": SimpleNamespace(distributed_config=None)},
+    ]
+    for attributes in checks:
+        for name, value in attributes.items():
+            setattr(model, name, value)
+        assert ours.get_model_tp_size(model) == hf.get_model_tp_size(model), attributes
+
+
+@pytest.mark.parametrize(
+    ("system", "release", "warns"),
+    [("Linux", "5.4.0-35-generic", True), ("Linux", "5.15.0-35-generic", False), ("Darwin", "5.4.0", False)],
+)
+def test_check_os_kernel(caplog: pytest.LogCaptureFixture, system: str, release: str, warns: bool) -> None:
+    uname = SimpleNamespace(system=system, release=release)
+    with mock.patch("platform.uname", return_value=uname), caplog.at_level(logging.WARNING):
+        ours.check_os_kernel()
+    warnings_logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert bool(warnings_logged) is warns
+    if warns:
+        assert "5.4.0" in warnings_logged[0] and "5.5.0" in warnings_logged[0]
+
+
+def test_get_active_deepspeed_plugin() -> None:
+    plugin = ours.DeepSpeedPlugin()
+    with pytest.raises(ValueError, match="not DEEPSPEED"):
+        ours.get_active_deepspeed_plugin(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+    state = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, deepspeed_plugins=plugin)
+    assert ours.get_active_deepspeed_plugin(state) is plugin
+    other = ours.DeepSpeedPlugin()
+    plugin.selected, other.selected = False, True  # type: ignore[attr-defined]
+    state.deepspeed_plugins = {"a": plugin, "b": other}
+    assert ours.get_active_deepspeed_plugin(state) is other
+    with pytest.raises(ValueError, match="records no plugin"):
+        ours.get_active_deepspeed_plugin(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+
+
+def test_merge_fsdp_weights_as_hf(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    shards = tmp_path / "ckpt" / "pytorch_model_fsdp_0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "no process group: saving in a single process"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=shards)
+    ours.merge_fsdp_weights(shards, tmp_path / "ours")
+    hf.merge_fsdp_weights(str(shards), str(tmp_path / "hf"))
+    mine, theirs = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(mine) == sorted(theirs) == sorted(model.state_dict())
+    assert all(torch.equal(mine[key], theirs[key]) and torch.equal(mine[key], model.state_dict()[key]) for key in mine)
+    ours.merge_fsdp_weights(shards, tmp_path / "bin", safe_serialization=False, remove_checkpoint_dir=True)
+    assert sorted(torch.load(tmp_path / "bin" / "pytorch_model.bin")) == sorted(mine) and not shards.exists()
+    with pytest.raises(ValueError, match="not a sharded FSDP checkpoint"):
+        ours.merge_fsdp_weights(tmp_path / "ckpt", tmp_path / "x")
+
+
+# ---- data loaders -------------------------------------------------------------------------------------------------
+
+
+class _Stream(IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        yield from range(10)
+
+
+def _batches(loader: Any) -> list[list[int]]:
+    return [batch.tolist() if isinstance(batch, torch.Tensor) else list(batch) for batch in loader]
+
+
+def test_skip_batch_sampler_as_hf() -> None:
+    inner = BatchSampler(SequentialSampler(range(16)), batch_size=3, drop_last=False)
+    mine, theirs = SkipBatchSampler(inner, 2), hf_data_loader.SkipBatchSampler(inner, 2)
+    assert list(mine) == list(theirs) and len(mine) == len(theirs) == 4 and mine.total_length == 6
+    assert mine.batch_size == 3 and mine.drop_last is False
+    with pytest.raises(ValueError, match="skip_batches"):
+        SkipBatchSampler(inner, -1)
+
+
+@pytest.mark.parametrize("dataset", [list(range(16)), _Stream()], ids=["map-style", "iterable"])
+def test_skip_data_loader_as_hf(dataset: Any) -> None:
+    mine = SkipDataLoader(dataset, batch_size=4, skip_batches=2)
+    theirs = hf_data_loader.SkipDataLoader(dataset, batch_size=4, skip_batches=2)
+    assert _batches(mine) == _batches(theirs)
+    ends = []
+    for _ in mine:
+        ends.append(mine.end_of_dataloader)
+        assert GradientState().active_dataloader is mine
+    assert ends[-1] and not any(ends[:-1])
+    assert GradientState().active_dataloader is None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DataLoader(list(range(16)), batch_size=4),
+        lambda: DataLoader(list(range(16)), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3)),
+        lambda: DataLoader(torch.arange(16), batch_size=None, sampler=BatchSampler(range(16), 5, drop_last=True)),
+        lambda: DataLoader(_Stream(), batch_size=3),
+    ],
+    ids=["sequential", "shuffled", "batch sampler as sampler", "iterable"],
+)
+def test_skip_first_batches_of_plain_loaders_as_hf(make: Any) -> None:
+    mine, theirs = skip_first_batches(make(), num_batches=2), hf_data_loader.skip_first_batches(make(), num_batches=2)
+    assert type(mine).__name__ == type(theirs).__name__
+    assert _batches(mine) == _batches(theirs)
+
+
+def test_skip_data_loader_resumes_from_its_stateful_state() -> None:
+    if importlib.util.find_spec("torchdata") is None:
+        pytest.skip("needs torchdata")
+    loader = SkipDataLoader(list(range(20)), batch_size=2, skip_batches=1, use_stateful_dataloader=True)
+    seen = []
+    for batch in loader:
+        seen.append(batch.tolist())
+        if len(seen) == 3:
+            state = loader.state_dict()
+            break
+    resumed = SkipDataLoader(list(range(20)), batch_size=2, use_stateful_dataloader=True)
+    resumed.load_state_dict(state)
+    assert _batches(resumed) == [[8, 9], [10, 11], [12, 13], [14, 15], [16, 17], [18, 19]]
+    with pytest.raises(TypeError, match="use_stateful_dataloader=True"):
+        SkipDataLoader(list(range(4))).state_dict()
+
+
+# ---- launchers ----------------------------------------------------------------------------------------------------
+
+
+def _record_worker(folder: str, offset: int) -> None:
+    state = PartialState()
+    total = ours.gather(torch.tensor([state.process_index + offset]))
+    accelerator = lightning_accel.Accelerator()
+    copied = ours.copy_tensor_to_devices(torch.tensor([7, 8, 9], dtype=torch.int32) if state.is_main_process else None)
+    line = f"{state.process_index} {state.num_processes} {total.tolist()} {accelerator.distributed_type.value}"
+    Path(folder, f"rank{state.process_index}").write_text(f"{line} {copied.tolist()} {copied.dtype}")
+
+
+def _failing_worker() -> None:
+    raise RuntimeError("boom in a worker")
+
+
+def test_debug_launcher_runs_two_cpu_processes(tmp_path: Path) -> None:
+    lightning_accel.debug_launcher(_record_worker, args=(str(tmp_path), 10))
+    lines = sorted(path.read_text() for path in tmp_path.iterdir())
+    assert lines == [
+        "0 2 [10, 11] MULTI_CPU [7, 8, 9] torch.int32",
+        "1 2 [10, 11] MULTI_CPU [7, 8, 9] torch.int32",
+    ]
+    assert "ACCELERATE_DEBUG_RDV_FILE" not in os.environ and "WORLD_SIZE" not in os.environ
+
+
+def test_debug_launcher_one_process_and_errors(tmp_path: Path) -> None:
+    lightning_accel.debug_launcher(_record_worker, args=(str(tmp_path), 0), num_processes=1)
+    assert (tmp_path / "rank0").read_text() == "0 1 [0] NO [7, 8, 9] torch.int32"
+    with pytest.raises(Exception, match="boom in a worker"):
+        lightning_accel.debug_launcher(_failing_worker)
+    with pytest.raises(ValueError, match="num_processes"):
+        lightning_accel.debug_launcher(_failing_worker, num_processes=0)
+
+
+def test_notebook_launcher_runs_elastic_workers(tmp_path: Path) -> None:
+    script = tmp_path / "notebook.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from lightning_accel import Accelerator, notebook_launcher\n"
+        "from lightning_accel.utils import gather\n"
+        "def train(folder):\n"
+        "    accelerator = Accelerator(cpu=True)\n"
+        "    ranks = gather(torch.tensor([accelerator.process_index])).tolist()\n"
+        "    Path(folder, str(accelerator.process_index)).write_text(f'{ranks} {accelerator.mixed_precision}')\n"
+        "if __name__ == '__main__':\n"
+        "    notebook_launcher(train, (sys.argv[1],), num_processes=2, use_port=sys.argv[2], mixed_precision='bf16')\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env()
+    env["PYTHONPATH"] = str(REPO)
+    subprocess.run(
+        [sys.executable, str(script), str(out), str(get_free_port())], env=env, check=True, timeout=120, cwd=tmp_path
+    )
+    assert sorted(path.read_text() for path in out.iterdir()) == ["[0, 1] bf16", "[0, 1] bf16"]
+
+
+def test_notebook_launcher_checks_arguments() -> None:
+    with pytest.raises(ValueError, match="num_processes"):
+        lightning_accel.notebook_launcher(_failing_worker)
+    with pytest.raises(ValueError, match="node_rank"):
+        lightning_accel.notebook_launcher(_failing_worker, num_processes=2, node_rank=1)
+    with pytest.raises(ValueError, match="'fp7'"):
+        lightning_accel.notebook_launcher(_failing_worker, num_processes=2, mixed_precision="fp7")
+    PartialState()
+    with pytest.raises(ValueError, match="already has one"):
+        lightning_accel.notebook_launcher(_failing_worker, num_processes=2)
+    ran: list[int] = []
+    lightning_accel.notebook_launcher(lambda: ran.append(1), num_processes=1)
+    assert ran == [1]
+
+
+# ---- trackers and config ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["AimTracker", "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker", "TrackioTracker"])
+def test_unimplemented_trackers_explain_themselves(name: str) -> None:
+    import lightning_accel.tracking as tracking
+
+    cls = getattr(tracking, name)
+    assert issubclass(cls, tracking.GeneralTracker) and cls.name
+    if importlib.util.find_spec(cls.package) is None:
+        with pytest.raises(ImportError, match=f"pip install .*{cls.package}"):
+            cls("run", "logs")
+    with (
+        mock.patch("importlib.util.find_spec", return_value=object()),
+        pytest.raises(NotImplementedError, match="not implemented in lightning_accel"),
+    ):
+        cls("run", "logs")
+
+
+def test_registered_tracker_must_declare_its_logging_directory_need() -> None:
+    from lightning_accel.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, register_tracker_class
+
+    class Undeclared(GeneralTracker):
+        name = "undeclared_tracker"
+
+    class Declared(Undeclared):
+        requires_logging_directory = False
+
+    with pytest.raises(ValueError, match="requires_logging_directory"):
+        register_tracker_class(Undeclared)
+    register_tracker_class(Declared)
+    assert LOGGER_TYPE_TO_CLASS.pop("undeclared_tracker") is Declared
+
+
+def test_fp8_recipe_kwargs_is_the_deprecated_te_recipe() -> None:
+    with pytest.warns(FutureWarning, match="deprecated"):
+        recipe = ours.FP8RecipeKwargs(backend="te", margin=2)
+    assert isinstance(recipe, ours.TERecipeKwargs) and recipe.backend == "TE" and recipe.margin == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert ours.FP8RecipeKwargs().backend == "TE"
+        with pytest.raises(ValueError, match="no MS-AMP backend"):
+            ours.FP8RecipeKwargs(backend="msamp")
+        with pytest.raises(ValueError, match="'XX'"):
+            ours.FP8RecipeKwargs(backend="xx")
+        with pytest.raises(ValueError, match="opt_level"):
+            ours.FP8RecipeKwargs(opt_level="O2")
+
+
+def test_profile_kwargs_builds_the_profiler_as_hf() -> None:
+    mine = ours.ProfileKwargs(activities=["cpu"], schedule_option={"wait": 1, "warmup": 1, "active": 2})
+    theirs = hf.ProfileKwargs(activities=["cpu"], schedule_option={"wait": 1, "warmup": 1, "active": 2})
+    built, hf_built = mine.build(), theirs.build()
+    assert isinstance(built, torch.profiler.profile)
+    assert built.activities == hf_built.activities and mine.to_kwargs() == theirs.to_kwargs()
+    with pytest.raises(ValueError, match="'tpu'"):
+        ours.ProfileKwargs(activities=["tpu"]).build()
+    with pytest.raises(ValueError, match="wait_steps"):
+        ours.ProfileKwargs(schedule_option={"wait_steps": 1})
+
+
+def test_dataclasses_path_reexports_the_config_classes() -> None:
+    from lightning_accel import config, enums
+    from lightning_accel.utils import dataclasses
+
+    assert dataclasses.DeepSpeedPlugin is config.DeepSpeedPlugin
+    assert dataclasses.DistributedType is enums.DistributedType
+    for name in dataclasses.__all__:
+        assert getattr(dataclasses, name) is getattr(ours, name), name
+
+
+def test_constants_as_hf() -> None:
+    import accelerate.utils.constants as hf_constants
+
+    from lightning_accel.utils import constants
+
+    for name in (
+        "BETA_CP_AVAILABLE_PYTORCH_VERSION",
+        "BETA_SP_AVAILABLE_DEEPSPEED_VERSION",
+        "BETA_TP_AVAILABLE_PYTORCH_VERSION",
+        "BETA_TP_AVAILABLE_TRANSFORMERS_VERSION",
+        "FSDP2_PYTORCH_VERSION",
+        "DTENSOR_PYTORCH_VERSION",
+        "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
+    ):
+        assert getattr(constants, name) == getattr(hf_constants, name), name
+    assert set(constants.STR_OPERATION_TO_FUNC) == set(hf_constants.STR_OPERATION_TO_FUNC)
