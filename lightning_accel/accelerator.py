@@ -293,8 +293,11 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
             if isinstance(obj, DataLoader) and not isinstance(obj, DataLoaderShard):
                 result[i] = self.prepare_data_loader(obj, device_placement=placement[i])
         for i, obj in enumerate(result):
-            if isinstance(obj, _engine_step.SCHEDULERS):
+            if isinstance(obj, _engine_step.SCHEDULERS) and not getattr(obj, "_is_accelerate_prepared", False):
                 result[i] = self.prepare_scheduler(obj)
+        for before, after in zip(args, result, strict=True):
+            if after is not before:
+                after._is_accelerate_prepared = True  # Accelerate's mark: prepare returns such objects unchanged
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
@@ -359,6 +362,23 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step."""
         return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        """Change the micro-batches per optimizer step (not once a DeepSpeed engine, which fixes them, exists).
+
+        Raises:
+            ValueError: For a count below 1, or under DeepSpeed after ``prepare``.
+
+        """
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive integer, got {value!r}.")
+        if self._models and _engine_step.engine_steps_in_backward(self.fabric.strategy):
+            raise ValueError(
+                "The DeepSpeed engine fixed its accumulation steps in prepare: set them before, in"
+                " Accelerator(gradient_accumulation_steps=...) or the DeepSpeed config."
+            )
+        self.gradient_state.plugin_kwargs["num_steps"] = value
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backpropagate ``loss`` divided by the accumulation steps, through the strategy and precision plugin.

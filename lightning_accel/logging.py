@@ -25,7 +25,8 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         main_process_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
-        kwargs.setdefault("stacklevel", 2)
+        # Counted from this method, as in Accelerate (the default names our caller's caller); +1 for _emit's frame.
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 2) + 1
         if not self.isEnabledFor(level):
             return
         state = PartialState()

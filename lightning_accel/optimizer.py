@@ -5,12 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lightning.fabric.wrappers import _FabricOptimizer
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.state import GradientState
 
 __all__ = ["AcceleratedOptimizer"]
+
+
+def _is_fabric_wrapper(optimizer: Any) -> bool:
+    return isinstance(optimizer, _FabricOptimizer)
 
 
 class AcceleratedOptimizer(Optimizer):
@@ -104,6 +109,20 @@ class AcceleratedOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer."""
         self.optimizer.add_param_group(param_group)
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["gradient_state"]  # process-wide; the copy joins the state of the process it is loaded in
+        # Fabric's wrapper is a class made at run time, which pickle cannot name: the copy holds the user's optimizer.
+        for key in ("optimizer", "_stepper"):
+            state[key] = getattr(state[key], "optimizer", state[key]) if _is_fabric_wrapper(state[key]) else state[key]
+        return state
+
+    @override
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.gradient_state = GradientState()
 
     @override
     def __repr__(self) -> str:

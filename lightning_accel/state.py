@@ -38,6 +38,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 # What AcceleratorState adds to the process description PartialState shares with it.
 _RUN_KEYS = ("mixed_precision",)
+_PROCESS_KEYS = ("distributed_type", "device", "num_processes", "process_index", "local_process_index", "debug")
+# The attributes each state always has once filled in (a missing one means the state was reset).
+_STATE_ATTRIBUTES = {"PartialState": _PROCESS_KEYS, "AcceleratorState": _PROCESS_KEYS + _RUN_KEYS}
 
 
 class _SharedState:
@@ -61,6 +64,16 @@ class _SharedState:
     @classmethod
     def _reset_state(cls) -> None:
         cls._shared_state.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes the shared dictionary lacks: say why when the state was reset.
+        if name in _STATE_ATTRIBUTES.get(type(self).__name__, ()):
+            kind = type(self).__name__
+            raise AttributeError(
+                f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` was called and"
+                f" no `Accelerator` or `{kind}` was created since: create one before using it."
+            )
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
 class PartialState(_SharedState):
