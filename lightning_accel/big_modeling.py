@@ -10,6 +10,11 @@ The usual flow, for a model larger than one device (or than RAM)::
 :func:`~lightning_accel.utils.modeling.infer_auto_device_map`); :func:`dispatch_model` attaches the hooks that move
 each block's inputs, and its offloaded weights, to the right device during ``forward``. :func:`cpu_offload` and
 :func:`disk_offload` keep a whole model offloaded, loading each layer's weights only for its call.
+
+Where Accelerate 1.15 fails, this module does not: a weight tied in a constructor stays tied under
+:func:`init_empty_weights`; a tied weight a (safetensors) checkpoint stores under one name only is read under each of
+its names when offloaded; and a map entry naming a single tensor on an offloaded device (a split module's tensor, or
+a root buffer with ``offload_buffers=True``) is placed on the main device rather than left on the meta device.
 """
 
 from __future__ import annotations

@@ -255,3 +255,14 @@ def test_hf_hook_removal_understands_our_hooks() -> None:
     big_modeling.cpu_offload(model, execution_device="cpu")
     accelerate.hooks.remove_hook_from_submodules(model)
     assert torch.equal(model.lin.weight, weight) and not hasattr(model.lin, "_hf_hook")
+
+
+def test_weights_loader_reads_safetensors_entries(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"stored": torch.arange(4.0)}, tmp_path / "w.safetensors")
+    entry = {"safetensors_file": str(tmp_path / "w.safetensors"), "weight_name": "stored", "dtype": "float16"}
+    for lib in (offload, hf_offload):
+        loader = lib.OffloadedWeightsLoader(index={"layer.weight": entry}, device="cpu")
+        value = loader["layer.weight"]
+        assert value.dtype == torch.float16 and torch.equal(value, torch.arange(4.0).half())

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lightning_accel.utils.modeling_tensors import DeviceLike
+from lightning_accel.utils.modeling_tensors import DeviceLike, resolve_device
 
 __all__ = [
     "OffloadedWeightsLoader",
@@ -201,10 +201,10 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
         return load_offloaded_weight(os.path.join(self.save_folder, f"{key}.dat"), info)
 
     def _read_safetensors(self, key: str, info: Mapping[str, Any]) -> torch.Tensor:
-        device = "cpu" if self.device is None else self.device
+        device = "cpu" if self.device is None else str(resolve_device(self.device))
         name = info.get("weight_name", key)
         try:
-            with safe_open(info["safetensors_file"], framework="pt", device=str(device)) as f:
+            with safe_open(info["safetensors_file"], framework="pt", device=device) as f:
                 tensor: torch.Tensor = f.get_tensor(name)
         except TypeError:  # a dtype the device cannot read (bf16 on MPS): read on the CPU, then move
             with safe_open(info["safetensors_file"], framework="pt", device="cpu") as f:
