@@ -10,6 +10,7 @@ from lightning_accel.config import (
     BnbQuantizationConfig,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
+    DeepSpeedSequenceParallelConfig,
     DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
@@ -18,7 +19,9 @@ from lightning_accel.config import (
     KwargsHandler,
     MegatronLMPlugin,
     ProjectConfiguration,
+    TorchContextParallelConfig,
     TorchDynamoPlugin,
+    TorchTensorParallelConfig,
 )
 from lightning_accel.config.fp8 import AORecipeKwargs, FP8RecipeKwargs, TERecipeKwargs
 from lightning_accel.config.profile import ProfileKwargs
@@ -47,6 +50,7 @@ __all__ = [
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
+    "DeepSpeedSequenceParallelConfig",
     "DistributedDataParallelKwargs",
     "DistributedType",
     "DynamoBackend",
@@ -66,5 +70,7 @@ __all__ = [
     "RNGType",
     "SageMakerDistributedType",
     "TERecipeKwargs",
+    "TorchContextParallelConfig",
     "TorchDynamoPlugin",
+    "TorchTensorParallelConfig",
 ]
