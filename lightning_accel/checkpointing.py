@@ -185,13 +185,14 @@ def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: boo
     models = list(accelerator._models)
     # The users' modules, without the strategy's wrapper; an engine saved its own (hooks get none, as in Accelerate).
     weights = [model.state_dict() for model in models] if own_weights else []
+    user_models = [model.module for model in models]  # hooks see the users' modules, as Accelerate's do
     for hook in list(accelerator._save_state_pre_hooks.values()):
-        hook(models, weights, str(target))  # a hook may pop entries to save them its own way
+        hook(user_models, weights, str(target))  # a hook may pop entries to save them its own way
     for i, state in enumerate(weights):
         if safe_serialization:
             from safetensors.torch import save_file
 
-            tensors = {key: value.detach().cpu().contiguous() for key, value in state.items()}
+            tensors = {key: value.detach().cpu().contiguous() for key, value in _without_shared_storage(state).items()}
             save_file(tensors, target / _indexed(SAFE_WEIGHTS_NAME, i), metadata={"format": "pt"})
         else:
             torch.save(state, target / _indexed(WEIGHTS_NAME, i))
@@ -303,8 +304,11 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
     engine = _engine(accelerator, engine_kwargs)
     source = _source_dir(accelerator, input_dir)
     models = list(accelerator._models) if engine is None else []  # an engine loads its models itself
+    user_models = [model.module for model in models]
     for hook in list(accelerator._load_state_pre_hooks.values()):
-        hook(models, str(source))  # a hook may pop models to load them its own way
+        hook(user_models, str(source))  # a hook may pop models to load them its own way
+    kept = {id(module) for module in user_models}
+    models = [model for model in models if id(model.module) in kept]
     scaler = getattr(accelerator.fabric.strategy.precision, "scaler", None)
     if scaler is not None and (source / SCALER_NAME).is_file():
         scaler.load_state_dict(_read(source / SCALER_NAME, _torch_load))  # before optimizers, which FSDP2 may step
@@ -332,7 +336,13 @@ def _load_model(module: torch.nn.Module, source: Path, index: int) -> None:
         state = _read(plain, _torch_load)
     else:
         raise ValueError(f"Checkpoint {source} has no weights for model {index}: expected {safe.name} or {plain.name}.")
-    module.load_state_dict(_match_wrapper_prefix(state, module.state_dict().keys()))
+    own = module.state_dict()
+    state = _match_wrapper_prefix(state, own.keys())
+    aliases = set(own) - set(_without_shared_storage(own))  # safetensors keeps one name per tied storage
+    result = module.load_state_dict(state, strict=False)
+    problems = sorted(set(result.missing_keys) - aliases) + sorted(result.unexpected_keys)
+    if problems:
+        raise ValueError(f"Checkpoint {source} does not match model {index}: missing or unexpected {problems}.")
 
 
 def _match_wrapper_prefix(state: Mapping[str, Any], expected: Any) -> dict[str, Any]:

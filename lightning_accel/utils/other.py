@@ -82,6 +82,9 @@ def extract_model_from_parallel(
 ) -> torch.nn.Module:
     """The user's module inside Fabric's, DDP's or DataParallel's wrappers (and ``torch.compile``'s unless kept).
 
+    A compiled parallel module (``torch.compile(DDP(model))``) keeps its compiled wrapper with ``keep_torch_compile``,
+    around the unwrapped module.
+
     ``keep_fp32_wrapper`` is accepted for Accelerate's signature: autocast lives in the precision plugin here, not in
     a forward wrapper.
     """
@@ -90,11 +93,15 @@ def extract_model_from_parallel(
 
     if isinstance(model, _FabricModule):
         model = model.module
+    compiled = model if is_compiled_module(model) else None
+    if compiled is not None:
+        model = cast(torch.nn.Module, compiled._orig_mod)
     while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = cast(torch.nn.Module, model.module)
-    if not keep_torch_compile and is_compiled_module(model):
-        model = cast(torch.nn.Module, model._orig_mod)
-    return model
+    if compiled is None or not keep_torch_compile:
+        return model
+    compiled._orig_mod = model  # the compiled wrapper kept, around the unwrapped module (as Accelerate does)
+    return compiled
 
 
 def get_model_tp_size(model: torch.nn.Module) -> int | None:
