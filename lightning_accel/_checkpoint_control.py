@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_accel import checkpointing
 from lightning_accel._module import AcceleratedModule
 from lightning_accel.config import ProjectConfiguration
+from lightning_accel.utils.modeling_offloaded import get_state_dict_offloaded_model, has_offloaded_params
 from lightning_accel.utils.other import extract_model_from_parallel, save
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ class CheckpointControl:
         from torch.distributed.tensor import DTensor
 
         module = extract_model_from_parallel(model)
+        if any(has_offloaded_params(m) for m in module.modules()):  # big-model hooks keep weights on meta/disk
+            return get_state_dict_offloaded_model(module)
         sharded = any(isinstance(p, DTensor) for p in module.parameters())
         options = StateDictOptions(full_state_dict=True, cpu_offload=sharded)  # torch gathers for any parallelism
         return dict(get_model_state_dict(module, options=options))

@@ -334,3 +334,26 @@ def test_dispatch_over_gpu_cpu_and_disk_matches_hf(tmp_path: Path, reference: tu
         assert output.device.type == "cpu"
         torch.testing.assert_close(output, theirs(IDS))
         torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_accelerator_save_model_of_a_disk_offloaded_model_matches_hf(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from tests.helpers import reset_accelerator_states
+
+    files = {}
+    for name, lib in (("ours", lightning_accel), ("theirs", accelerate)):
+        reset_accelerator_states()
+        model = trained_model()
+        lib.big_modeling.disk_offload(model, tmp_path / f"offload_{name}", execution_device="cpu")
+        assert model.blocks[0].up.weight.device.type == "meta"
+        lib.Accelerator(cpu=True).save_model(model, tmp_path / name)
+        files[name] = load_file(tmp_path / name / "model.safetensors")
+    reset_accelerator_states()
+    expected = trained_model().state_dict()
+    # HF drops the root module's own buffer (``scale``) from an offloaded model's state; ours keeps every tensor.
+    assert set(files["ours"]) == set(expected)
+    assert set(files["theirs"]) == set(files["ours"]) - {"scale"}
+    for key, tensor in files["ours"].items():
+        assert torch.equal(tensor, expected[key]), key
+        assert key not in files["theirs"] or torch.equal(files["theirs"][key], tensor), key
