@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -353,6 +354,53 @@ def test_merge_fsdp_weights_as_hf(tmp_path: Path) -> None:
     assert sorted(torch.load(tmp_path / "bin" / "pytorch_model.bin")) == sorted(mine) and not shards.exists()
     with pytest.raises(ValueError, match="not a sharded FSDP checkpoint"):
         ours.merge_fsdp_weights(tmp_path / "ckpt", tmp_path / "x")
+
+
+def test_concatenate_returns_a_single_batch_as_hf() -> None:
+    for single in (["text"], [3]):
+        assert ours.concatenate(single) is hf.concatenate(single) is single[0]
+    tensor = torch.ones(2)
+    assert torch.equal(ours.concatenate([tensor]), hf.concatenate([tensor]))
+    with pytest.raises(TypeError):
+        ours.concatenate(["a", "b"])
+
+
+def test_safetensors_save_drops_tied_aliases_as_hf(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from safetensors.torch import load_file
+
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(3, 3)
+    model.b = model.a
+    state = model.state_dict()
+    with caplog.at_level(logging.WARNING):
+        ours.save(state, tmp_path / "ours.safetensors", safe_serialization=True)
+    hf.save(OrderedDict(state), tmp_path / "hf.safetensors", safe_serialization=True)  # HF cleans OrderedDicts only
+    mine, theirs = load_file(tmp_path / "ours.safetensors"), load_file(tmp_path / "hf.safetensors")
+    assert sorted(mine) == sorted(theirs) == ["a.bias", "a.weight"]
+    assert sorted(state) == ["a.bias", "a.weight", "b.bias", "b.weight"]  # the caller's dict is left as it was
+    assert any("Removed shared tensor" in record.getMessage() for record in caplog.records)
+
+
+def test_unwrap_without_fp32_wrapper_restores_the_forward_as_hf() -> None:
+    import pickle
+
+    def wrapped_model() -> torch.nn.Linear:
+        model = torch.nn.Linear(2, 2)
+        model._original_forward = model.forward
+        model.forward = ours.convert_outputs_to_fp32(model.forward)  # type: ignore[method-assign]
+        return model
+
+    model = wrapped_model()
+    assert ours.extract_model_from_parallel(model, keep_fp32_wrapper=True).forward is model.forward
+    for extract in (ours.extract_model_from_parallel, hf.extract_model_from_parallel):
+        unwrapped = extract(wrapped_model(), keep_fp32_wrapper=False)
+        assert "_original_forward" not in vars(unwrapped)
+        pickle.dumps(unwrapped)  # what Accelerate's test checks
+    # HF re-binds the bound original (calling it then fails); here the class's own forward is back.
+    unwrapped = ours.extract_model_from_parallel(wrapped_model(), keep_fp32_wrapper=False)
+    assert "forward" not in vars(unwrapped)
+    weight, bias = unwrapped.parameters()
+    assert torch.equal(unwrapped(torch.ones(1, 2)), torch.nn.functional.linear(torch.ones(1, 2), weight, bias))
 
 
 # ---- data loaders -------------------------------------------------------------------------------------------------

@@ -364,13 +364,15 @@ def find_device(data: Any) -> torch.device | None:
 
 
 def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
-    """Concatenate a list of equally structured nested tensors along ``dim``.
+    """Concatenate a list of equally structured nested tensors along ``dim`` (a single batch is returned as it is).
 
     Raises:
         TypeError: If the items are not tensors (or nested lists, tuples and dicts of them).
 
     """
     first = data[0]
+    if len(data) == 1 and not isinstance(first, (list, tuple, Mapping, Tensor)):
+        return first  # a single batch comes back as it is, tensor or not (as in Accelerate)
     if isinstance(first, (list, tuple)):
         return _rebuild(first, [concatenate([d[i] for d in data], dim=dim) for i in range(len(first))])
     if isinstance(first, Mapping):

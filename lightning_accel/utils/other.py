@@ -6,6 +6,7 @@ import os
 import platform
 import re
 import socket
+from types import MethodType
 from typing import Any, cast
 
 import torch
@@ -58,7 +59,32 @@ def save(
         )
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().cpu().contiguous() for k, v in obj.items()}, os.fspath(f), metadata={"format": "pt"})
+    tensors = _without_aliases(obj)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.fspath(f), metadata={"format": "pt"})
+
+
+def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with one entry per shared storage (the first name kept), warning about the names dropped.
+
+    safetensors refuses tensors that share memory (tied weights); as in Accelerate, the later names are left out and
+    the model's tying restores them on load. The caller's dict is not changed.
+    """
+    from lightning_accel.utils.modeling_tensors import id_tensor_storage
+
+    seen: set[tuple[torch.device, int, int]] = set()
+    dropped: list[str] = []
+    for name, tensor in state_dict.items():
+        key = id_tensor_storage(tensor)
+        if key in seen and key[1] != 0:  # pointer 0: meta or storage-less tensors, which alias nothing
+            dropped.append(name)
+        seen.add(key)
+    if dropped:
+        logger.warning(
+            f"Removed shared tensor {dropped} while saving to safetensors: each shares memory with an entry kept in "
+            "the file (tied weights); re-tie them after loading, as the model's constructor does.",
+            main_process_only=False,
+        )
+    return {name: tensor for name, tensor in state_dict.items() if name not in dropped}
 
 
 def load(f: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) -> Any:
@@ -85,10 +111,10 @@ def extract_model_from_parallel(
     A compiled parallel module (``torch.compile(DDP(model))``) keeps its compiled wrapper with ``keep_torch_compile``,
     around the unwrapped module.
 
-    ``keep_fp32_wrapper`` is accepted for Accelerate's signature: autocast lives in the precision plugin here, not in
-    a forward wrapper.
+    Autocast lives in the precision plugin here, not in a forward wrapper. Still, as in Accelerate, a module whose
+    ``forward`` was wrapped (e.g. with :func:`~lightning_accel.utils.operations.convert_outputs_to_fp32`) after
+    recording the original as ``_original_forward`` gets that forward back with ``keep_fp32_wrapper=False``.
     """
-    del keep_fp32_wrapper
     from lightning.fabric.wrappers import _FabricModule
 
     if isinstance(model, _FabricModule):
@@ -98,10 +124,28 @@ def extract_model_from_parallel(
         model = cast(torch.nn.Module, compiled._orig_mod)
     while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = cast(torch.nn.Module, model.module)
+    if not keep_fp32_wrapper:
+        _restore_original_forward(model)
     if compiled is None or not keep_torch_compile:
         return model
     compiled._orig_mod = model  # the compiled wrapper kept, around the unwrapped module (as Accelerate does)
     return compiled
+
+
+def _restore_original_forward(model: torch.nn.Module) -> None:
+    """Undo forward wrappers down to the ``_original_forward`` recorded on ``model`` (nothing when none is)."""
+    original = model.__dict__.pop("_original_forward", None)
+    if original is None:
+        return
+    target = getattr(original, "__func__", original)
+    forward: Any = model.forward
+    while hasattr(forward, "__wrapped__") and getattr(forward, "__func__", forward) is not target:
+        forward = forward.__wrapped__
+    function = getattr(forward, "__func__", forward)
+    if function is type(model).forward:
+        model.__dict__.pop("forward", None)  # the class's own forward: drop the instance attribute
+    else:
+        model.forward = MethodType(function, model)
 
 
 def get_model_tp_size(model: torch.nn.Module) -> int | None:
