@@ -15,11 +15,19 @@ from lightning.fabric.strategies import Strategy
 from lightning.fabric.wrappers import _FabricModule
 from lightning_utilities.core.overrides import is_overridden
 from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_accel.precision.base import AcceleratePrecision
 
-__all__ = ["AcceleratedModule", "backward_guard", "plain_optimizer_step"]
+__all__ = ["AcceleratedModule", "backward_guard", "distributed_data_parallel", "plain_optimizer_step"]
+
+
+def distributed_data_parallel(model: Module) -> DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` wrapper of a prepared ``model`` (or of a plain DDP module), if it has one."""
+    inner = model._forward_module if isinstance(model, _FabricModule) else model
+    return inner if isinstance(inner, DistributedDataParallel) else None
 
 
 def backward_guard(strategy: Strategy) -> str | None:

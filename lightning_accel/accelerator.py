@@ -28,8 +28,8 @@ from typing_extensions import override
 from lightning_accel import _engine_step, _fabric
 from lightning_accel._checkpoint_control import CheckpointControl
 from lightning_accel._loader_control import DataLoaderControl
-from lightning_accel._module import AcceleratedModule, plain_optimizer_step
-from lightning_accel._process import ProcessControl, destroy_process_group
+from lightning_accel._module import AcceleratedModule, distributed_data_parallel, plain_optimizer_step
+from lightning_accel._process import ProcessControl
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -282,8 +282,10 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
 
         Raises:
             ValueError: If ``device_placement`` does not have one entry per argument.
+            AttributeError: If ``AcceleratorState._reset_state()`` was called since this accelerator was created.
 
         """
+        _ = self.state.mixed_precision  # the reset state's AttributeError names the reset, as Accelerate's does
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects.")
         placement = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
@@ -431,6 +433,26 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
         with self.fabric.no_backward_sync(model, enabled=True):
             yield
 
+    @staticmethod
+    @contextmanager
+    def trigger_sync_in_backward(model: Module) -> Generator[None, None, None]:
+        """Synchronise gradients in the next backward pass of a DDP ``model`` whose forwards ran under :meth:`no_sync`.
+
+        A no-op for models without a ``DistributedDataParallel`` wrapper (one process, FSDP, DeepSpeed), as in
+        Accelerate.
+        """
+        ddp = distributed_data_parallel(model)
+        if ddp is None:
+            yield
+            return
+        previous = ddp.require_backward_grad_sync, ddp.require_forward_param_sync
+        ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
+        ddp.reducer.prepare_for_backward([])  # the forwards under no_sync did not arm the reducer
+        try:
+            yield
+        finally:
+            ddp.require_backward_grad_sync, ddp.require_forward_param_sync = previous
+
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
         """The precision plugin's autocast context (a no-op in full precision or with ``enabled=False``)."""
         _check_type("autocast_handler", autocast_handler, AutocastKwargs)
@@ -530,9 +552,9 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish the run: close the trackers, destroy the process group."""
+        """Finish the run: close the trackers, destroy the process group (not one a ``debug_launcher`` owns)."""
         self._finish_trackers()
-        destroy_process_group()
+        self.state.destroy_process_group()
 
 
 def _is_raw_optimizer(obj: Any) -> bool:

@@ -324,7 +324,9 @@ class _DebugWorker:
 
     def __call__(self, index: int, *args: Any) -> None:
         world_size = int(os.environ["WORLD_SIZE"])
-        os.environ.update({"RANK": str(index), "LOCAL_RANK": str(index), "LOCAL_WORLD_SIZE": str(world_size)})
+        os.environ.update(
+            {"RANK": str(index), "LOCAL_RANK": str(index), "LOCAL_WORLD_SIZE": str(world_size), "FORK_LAUNCHED": "1"}
+        )
         store = torch.distributed.FileStore(os.environ["ACCELERATE_DEBUG_RDV_FILE"], world_size)
         torch.distributed.init_process_group("gloo", rank=index, world_size=world_size, store=store)
         reset_state()  # the fork copied the parent's state
@@ -348,6 +350,8 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     Each process sees ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` (a free port),
     ``ACCELERATE_USE_CPU=yes``, ``ACCELERATE_MIXED_PRECISION=no`` and ``GLOO_SOCKET_IFNAME=lo``; the process group
     exists before ``function`` runs, and ``PartialState()`` describes it (an ``Accelerator`` created inside uses it).
+    The launcher owns that group (``FORK_LAUNCHED=1``, ``PartialState().fork_launched``): ``destroy_process_group()``
+    and ``end_training()`` inside ``function`` leave it alone, and it is destroyed when ``function`` returns.
 
     Args:
         function: Called with ``*args`` in every process; forked, so it need not be picklable.

@@ -38,7 +38,15 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 # What AcceleratorState adds to the process description PartialState shares with it.
 _RUN_KEYS = ("mixed_precision",)
-_PROCESS_KEYS = ("distributed_type", "device", "num_processes", "process_index", "local_process_index", "debug")
+_PROCESS_KEYS = (
+    "distributed_type",
+    "device",
+    "num_processes",
+    "process_index",
+    "local_process_index",
+    "debug",
+    "fork_launched",
+)
 # The attributes each state always has once filled in (a missing one means the state was reset).
 _STATE_ATTRIBUTES = {"PartialState": _PROCESS_KEYS, "AcceleratorState": _PROCESS_KEYS + _RUN_KEYS}
 
@@ -99,6 +107,10 @@ class PartialState(_SharedState):
         super().__init__()
         if not self.initialized:
             self._join_launch(cpu, kwargs)
+        from lightning_accel.utils.environment import parse_flag_from_env
+
+        # Read at every instance, as Accelerate does: set by the launchers that own the process group.
+        self.fork_launched = parse_flag_from_env("FORK_LAUNCHED")
 
     def _join_launch(self, cpu: bool, init_kwargs: dict[str, Any]) -> None:
         from lightning_accel.strategies.devices import backend_for_device, default_collective_backend
@@ -168,6 +180,21 @@ class PartialState(_SharedState):
         """Block until every process reaches this call (under the process group's timeout)."""
         if self.use_distributed and dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+    def destroy_process_group(self, group: dist.ProcessGroup | None = None) -> None:
+        """Destroy ``group`` (default: the default process group and DeepSpeed's groups derived from it).
+
+        In a process started by ``debug_launcher`` (``fork_launched``) the launcher owns the default group, so
+        destroying it without naming a group does nothing, as in Accelerate.
+        """
+        if group is None and self.fork_launched:
+            return
+        if group is not None:
+            dist.destroy_process_group(group)
+            return
+        from lightning_accel._process import destroy_process_group
+
+        destroy_process_group()
 
     @contextmanager
     def main_process_first(self) -> Generator[None, None, None]:
