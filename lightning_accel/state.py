@@ -4,8 +4,8 @@ Each class keeps its attributes in one class-level dictionary (every instance se
 do, so a data loader or optimizer wrapper reads the state the ``Accelerator`` set without holding a reference to it.
 :func:`reset_state` empties all three; tests call it between cases so no state leaks from one test into the next.
 
-Unlike Accelerate, these classes do not create the process group: the Fabric strategy the ``Accelerator`` picks does
-that, then the ``Accelerator`` records what the strategy answers here.
+The first ``PartialState()`` of a launched process joins the launch's process group, as Accelerate's does; an
+``Accelerator`` then runs its Fabric strategy on that group and records what the strategy answers here.
 """
 
 from __future__ import annotations
