@@ -403,6 +403,12 @@ def test_unwrap_without_fp32_wrapper_restores_the_forward_as_hf() -> None:
     assert torch.equal(unwrapped(torch.ones(1, 2)), torch.nn.functional.linear(torch.ones(1, 2), weight, bias))
 
 
+def test_one_process_broadcast_returns_any_data_as_hf() -> None:
+    data = {"tensor": torch.ones(2), "text": "kept"}
+    assert ours.broadcast(data) is data
+    assert hf.broadcast(data) is data
+
+
 # ---- data loaders -------------------------------------------------------------------------------------------------
 
 
@@ -451,6 +457,23 @@ def test_skip_first_batches_of_plain_loaders_as_hf(make: Any) -> None:
     mine, theirs = skip_first_batches(make(), num_batches=2), hf_data_loader.skip_first_batches(make(), num_batches=2)
     assert type(mine).__name__ == type(theirs).__name__
     assert _batches(mine) == _batches(theirs)
+
+
+def test_dispatcher_without_a_device_as_hf() -> None:
+    from lightning_accel.data_loader import DataLoaderDispatcher
+
+    def collate(rows: list[int]) -> dict[str, Any]:
+        return {"x": torch.tensor(rows), "name": "batch"}
+
+    mine = DataLoaderDispatcher(_Stream(), batch_size=4, collate_fn=collate)
+    theirs = hf_data_loader.DataLoaderDispatcher(_Stream(), batch_size=4, collate_fn=collate)
+    batches, hf_batches = list(mine), list(theirs)
+    assert (
+        [b["x"].tolist() for b in batches]
+        == [b["x"].tolist() for b in hf_batches]
+        == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    )
+    assert [b["name"] for b in batches] == [b["name"] for b in hf_batches] == ["batch"] * 3
 
 
 def test_skip_data_loader_resumes_from_its_stateful_state() -> None:

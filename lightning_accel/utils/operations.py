@@ -198,7 +198,12 @@ def gather_object(obj: Any) -> list[Any]:
 
 
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
-    """Overwrite ``tensor`` (in place, and return it) with the values of process ``from_process``."""
+    """Overwrite ``tensor`` (in place, and return it) with the values of process ``from_process``.
+
+    With one process the data comes back as it is, whatever it holds (as in Accelerate).
+    """
+    if _world_size() == 1:
+        return tensor
 
     def broadcast_one(value: Tensor) -> Tensor:
         if _world_size() > 1:
