@@ -26,13 +26,24 @@ from lightning_accel.config import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     MegatronLMPlugin,
+    ParallelismConfig,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
 from lightning_accel.enums import CustomDtype, DDPCommunicationHookType, DynamoBackend
 from lightning_accel.utils import constants
 
-CONFIG_MODULES = ["_validation", "deepspeed", "dynamo", "fsdp", "kwargs", "megatron", "project", "quantization"]
+CONFIG_MODULES = [
+    "_validation",
+    "deepspeed",
+    "dynamo",
+    "fsdp",
+    "kwargs",
+    "megatron",
+    "parallelism",
+    "project",
+    "quantization",
+]
 FSDP, DS, BNB = FullyShardedDataParallelPlugin, DeepSpeedPlugin, BnbQuantizationConfig
 DDP, MEGATRON = DistributedDataParallelKwargs, MegatronLMPlugin
 
@@ -84,7 +95,15 @@ ENV_FILLED_DEFAULTS = {
         **{"attention_dropout": 0.0, "hidden_dropout": 0.0},
     },
 }
-INTENTIONAL_DEFAULTS = {FullyShardedDataParallelPlugin: {"fsdp_version": 2}}
+INTENTIONAL_DEFAULTS = {
+    FullyShardedDataParallelPlugin: {"fsdp_version": 2},
+    # Accelerate's None means "read PARALLELISM_CONFIG_*"; ours are the sizes those variables default to.
+    ParallelismConfig: {
+        **_same("dp_replicate_size dp_shard_size tp_size cp_size sp_size", 1),
+        "cp_backend": "torch",
+        "sp_backend": "deepspeed",
+    },
+}
 
 
 def _default(f):
@@ -187,13 +206,20 @@ def test_deepspeed_config_merge_equals_accelerate():
     assert ds_config["gradient_clipping"] == "auto"  # the caller's dict is not modified
 
 
+def _as_list(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
 def test_constants_equal_accelerate():
     required = "MODEL_NAME OPTIMIZER_NAME RNG_STATE_NAME SCALER_NAME SCHEDULER_NAME SAMPLER_NAME WEIGHTS_NAME"
     required += " SAFE_WEIGHTS_NAME WEIGHTS_INDEX_NAME SAFE_WEIGHTS_INDEX_NAME"
     assert set(required.split()) <= set(constants.__all__)
     for name in constants.__all__:
         ours = getattr(constants, name)
-        assert (list(ours) if isinstance(ours, tuple) else ours) == getattr(hf_constants, name), name
+        theirs = getattr(hf_constants, name)
+        assert (list(ours) if isinstance(ours, tuple) else ours) == (
+            list(theirs) if isinstance(theirs, tuple) else theirs
+        ), name
 
 
 def test_utils_reexports_everything():

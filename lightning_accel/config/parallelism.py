@@ -8,7 +8,7 @@ the sizes into a torch ``DeviceMesh`` with Accelerate's dimension names and orde
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
@@ -120,7 +120,6 @@ class ParallelismConfig:
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
     sp_handler: DeepSpeedSequenceParallelConfig | None = None
-    device_mesh: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
@@ -151,6 +150,16 @@ class ParallelismConfig:
             self.cp_handler = TorchContextParallelConfig()
         if self.sp_size > 1 and self.sp_handler is None:
             self.sp_handler = DeepSpeedSequenceParallelConfig()
+        self._device_mesh: Any = None
+
+    @property
+    def device_mesh(self) -> Any:
+        """The mesh :meth:`get_device_mesh` built (``None`` before; not a field, as in Accelerate)."""
+        return self._device_mesh
+
+    @device_mesh.setter
+    def device_mesh(self, mesh: Any) -> None:
+        self._device_mesh = mesh
 
     @property
     def _sizes(self) -> dict[str, int]:

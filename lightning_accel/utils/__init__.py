@@ -38,6 +38,12 @@ from lightning_accel.enums import (
 from lightning_accel.utils.amp import get_grad_scaler, get_mixed_precision_context_manager
 from lightning_accel.utils.checkpoint import load_full_state_dict
 from lightning_accel.utils.constants import (
+    BETA_CP_AVAILABLE_PYTORCH_VERSION,
+    BETA_SP_AVAILABLE_DEEPSPEED_VERSION,
+    BETA_TP_AVAILABLE_PYTORCH_VERSION,
+    BETA_TP_AVAILABLE_TRANSFORMERS_VERSION,
+    DTENSOR_PYTORCH_VERSION,
+    FSDP2_PYTORCH_VERSION,
     FSDP2_STATE_DICT_TYPE,
     FSDP_AUTO_WRAP_POLICY,
     FSDP_BACKWARD_PREFETCH,
@@ -55,6 +61,8 @@ from lightning_accel.utils.constants import (
     SAMPLER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
+    STR_OPERATION_TO_FUNC,
+    SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     WEIGHTS_PATTERN_NAME,
@@ -207,6 +215,12 @@ from lightning_accel.utils.random import set_seed, synchronize_rng_state, synchr
 from lightning_accel.utils.versions import compare_versions, is_torch_version
 
 __all__ = [
+    "BETA_CP_AVAILABLE_PYTORCH_VERSION",
+    "BETA_SP_AVAILABLE_DEEPSPEED_VERSION",
+    "BETA_TP_AVAILABLE_PYTORCH_VERSION",
+    "BETA_TP_AVAILABLE_TRANSFORMERS_VERSION",
+    "DTENSOR_PYTORCH_VERSION",
+    "FSDP2_PYTORCH_VERSION",
     "FSDP2_STATE_DICT_TYPE",
     "FSDP_AUTO_WRAP_POLICY",
     "FSDP_BACKWARD_PREFETCH",
@@ -224,6 +238,8 @@ __all__ = [
     "SAMPLER_NAME",
     "SCALER_NAME",
     "SCHEDULER_NAME",
+    "STR_OPERATION_TO_FUNC",
+    "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
     "WEIGHTS_PATTERN_NAME",
