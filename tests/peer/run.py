@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=2400, help="seconds for one side")
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds for one test")
     parser.add_argument("--update-floor", action="store_true", help="write our pass counts to floor.json")
+    parser.add_argument("--retries", type=int, default=1, help="reruns of unexplained failures (flaky tests)")
     parser.add_argument(
         "--reuse", choices=SIDES, help="read this side's outcomes from the last run instead of running it"
     )
