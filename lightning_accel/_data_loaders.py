@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_accel._data_sharding import BatchSamplerShard
 from lightning_accel.state import GradientState
@@ -30,7 +30,19 @@ from lightning_accel.utils.operations import (
 )
 from lightning_accel.utils.random import synchronize_rng_states
 
-__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "DataLoaderStateMixin", "stateful_dataloader_class"]
+__all__ = [
+    "DataLoaderDispatcher",
+    "DataLoaderShard",
+    "DataLoaderStateMixin",
+    "register_stateful_base",
+    "stateful_dataloader_class",
+    "stateful_variant",
+]
+
+_L = TypeVar("_L", bound=type)
+_VARIANT_PREFIX = "_Stateful"
+_STATEFUL_BASES: dict[str, type] = {}  # loader classes with a StatefulDataLoader variant, by name
+_STATEFUL_VARIANTS: dict[type, type] = {}
 
 _STATEFUL_HINT = "pip install 'lightning-accel[stateful]' (or pip install 'torchdata>=0.8')"
 
@@ -50,6 +62,45 @@ def stateful_dataloader_class() -> type[DataLoader]:
             f" which is not installed: {_STATEFUL_HINT}, or leave use_stateful_dataloader=False."
         ) from err
     return StatefulDataLoader
+
+
+def register_stateful_base(cls: _L) -> _L:
+    """Let ``cls`` have a :func:`stateful_variant` that pickled loaders find again (a class decorator)."""
+    _STATEFUL_BASES[cls.__name__] = cls
+    return cls
+
+
+def stateful_variant(cls: _L) -> _L:
+    """``cls`` combined with torchdata's ``StatefulDataLoader``: the class of a loader with ``use_stateful_dataloader``.
+
+    A loader built with ``use_stateful_dataloader=True`` is then a ``StatefulDataLoader`` (``isinstance``), as in
+    Accelerate. The variant keeps ``cls``'s name and behaviour (its methods come first); ``StatefulDataLoader``'s
+    ``__init__`` sets the loader up. It is reachable as ``_Stateful<name>`` in this module, so pickled loaders load in
+    a new process too.
+
+    Raises:
+        ImportError: If torchdata (0.8 or newer) is not installed.
+
+    """
+    stateful = stateful_dataloader_class()
+    if issubclass(cls, stateful):
+        return cls
+    variant = _STATEFUL_VARIANTS.get(cls)
+    if variant is None:
+        namespace = {"__module__": __name__, "__qualname__": f"{_VARIANT_PREFIX}{cls.__name__}", "__doc__": cls.__doc__}
+        variant = type(cls.__name__, (cls, stateful), namespace)
+        _STATEFUL_VARIANTS[cls] = variant
+    return variant  # type: ignore[return-value]  # a subclass of cls
+
+
+if not TYPE_CHECKING:  # a module attribute hook would hide typos in every import from this module from mypy
+
+    def __getattr__(name: str) -> Any:
+        """Build ``_Stateful<name>`` variants on first access (what unpickling a stateful loader asks for)."""
+        base = _STATEFUL_BASES.get(name[len(_VARIANT_PREFIX) :]) if name.startswith(_VARIANT_PREFIX) else None
+        if base is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return stateful_variant(base)
 
 
 class DataLoaderStateMixin:
@@ -96,6 +147,7 @@ class DataLoaderStateMixin:
             return -1
 
 
+@register_stateful_base
 class DataLoaderShard(DataLoaderStateMixin, DataLoader):
     """A ``DataLoader`` that moves batches to the device and tells :class:`GradientState` when its last batch comes.
 
@@ -110,7 +162,8 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         non_blocking: Non-blocking host-to-device copies.
         source_drop_last: ``drop_last`` of the loader this one was prepared from (no remainder when true).
         use_stateful_dataloader: Draw the batches from torchdata's ``StatefulDataLoader`` (built with the same
-            arguments), whose state :meth:`state_dict` returns.
+            arguments), whose state :meth:`state_dict` returns; the loader is then a ``StatefulDataLoader`` itself
+            (see :func:`stateful_variant`).
         **kwargs: ``DataLoader`` keyword arguments.
 
     Attributes:
@@ -120,6 +173,11 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         position: Batches of the current epoch handed out so far (0 between epochs); ``load_state`` resumes there.
 
     """
+
+    def __new__(cls, *args: Any, use_stateful_dataloader: bool = False, **kwargs: Any) -> Self:
+        """Create the loader; with ``use_stateful_dataloader`` as its :func:`stateful_variant` class."""
+        del args, kwargs  # DataLoader's arguments, for __init__
+        return super().__new__(stateful_variant(cls) if use_stateful_dataloader else cls)
 
     def __init__(
         self,
@@ -301,6 +359,7 @@ def _empty(spec: Any) -> Any:
     )
 
 
+@register_stateful_base
 class DataLoaderDispatcher(DataLoaderShard):
     """A loader iterated by process 0 only, whose batches are broadcast and sliced: Accelerate's dispatch mode.
 

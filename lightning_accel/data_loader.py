@@ -20,13 +20,15 @@ from typing import Any, overload
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_accel._data_loaders import (
     DataLoaderDispatcher,
     DataLoaderShard,
     DataLoaderStateMixin,
+    register_stateful_base,
     stateful_dataloader_class,
+    stateful_variant,
 )
 from lightning_accel._data_sharding import BatchSamplerShard, IterableDatasetShard, check_split_batch_size
 from lightning_accel.state import GradientState, PartialState
@@ -331,11 +333,12 @@ class SkipBatchSampler(BatchSampler):
         return max(len(self.batch_sampler) - self.skip_batches, 0)
 
 
+@register_stateful_base
 class SkipDataLoader(DataLoaderStateMixin, DataLoader):
     """A ``DataLoader`` whose iterations start after its first ``skip_batches`` batches.
 
     The batches are drawn from ``base_dataloader``, a ``DataLoader`` (or, with ``use_stateful_dataloader``, torchdata's
-    ``StatefulDataLoader``) built with the same arguments. It tells
+    ``StatefulDataLoader``, which this loader then is too) built with the same arguments. It tells
     :class:`~lightning_accel.state.GradientState` when its last batch comes, like the prepared loaders.
 
     Args:
@@ -349,6 +352,11 @@ class SkipDataLoader(DataLoaderStateMixin, DataLoader):
         ImportError: For ``use_stateful_dataloader`` without torchdata.
 
     """
+
+    def __new__(cls, *args: Any, use_stateful_dataloader: bool = False, **kwargs: Any) -> Self:
+        """Create the loader; with ``use_stateful_dataloader`` as its :func:`stateful_variant` class."""
+        del args, kwargs  # DataLoader's arguments, for __init__
+        return super().__new__(stateful_variant(cls) if use_stateful_dataloader else cls)
 
     def __init__(
         self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs: Any

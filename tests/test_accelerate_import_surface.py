@@ -476,6 +476,45 @@ def test_dispatcher_without_a_device_as_hf() -> None:
     assert [b["name"] for b in batches] == [b["name"] for b in hf_batches] == ["batch"] * 3
 
 
+def test_stateful_loaders_are_stateful_data_loaders(tmp_path: Path) -> None:
+    if importlib.util.find_spec("torchdata") is None:
+        pytest.skip("needs torchdata")
+    import pickle
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard
+
+    loaders = {
+        DataLoaderShard: DataLoaderShard(list(range(8)), batch_size=2, use_stateful_dataloader=True),
+        DataLoaderDispatcher: DataLoaderDispatcher(list(range(8)), batch_size=2, use_stateful_dataloader=True),
+        SkipDataLoader: SkipDataLoader(list(range(8)), batch_size=2, skip_batches=1, use_stateful_dataloader=True),
+    }
+    for cls, loader in loaders.items():
+        assert isinstance(loader, cls) and isinstance(loader, StatefulDataLoader)
+        assert type(loader).__name__ == cls.__name__ and isinstance(loader.base_dataloader, StatefulDataLoader)
+        assert not isinstance(cls(list(range(8)), batch_size=2), StatefulDataLoader)
+        assert pickle.loads(pickle.dumps(type(loader))) is type(loader)
+        (tmp_path / f"{cls.__name__}.pkl").write_bytes(pickle.dumps(type(loader)))
+    assert _batches(loaders[SkipDataLoader]) == [[2, 3], [4, 5], [6, 7]]
+    assert (
+        _batches(loaders[DataLoaderShard])
+        == _batches(loaders[DataLoaderDispatcher])
+        == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    )
+    code = (  # the variant classes resolve in a new process too (what unpickling a loader needs)
+        "import pickle, sys\n"
+        "from pathlib import Path\n"
+        "from torchdata.stateful_dataloader import StatefulDataLoader\n"
+        "for path in sorted(Path(sys.argv[1]).glob('*.pkl')):\n"
+        "    cls = pickle.loads(path.read_bytes())\n"
+        "    print(cls.__name__, issubclass(cls, StatefulDataLoader))\n"
+    )
+    command = [sys.executable, "-c", code, str(tmp_path)]
+    out = subprocess.run(command, env=clean_env(), capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["DataLoaderDispatcher True", "DataLoaderShard True", "SkipDataLoader True"]
+
+
 def test_skip_data_loader_resumes_from_its_stateful_state() -> None:
     if importlib.util.find_spec("torchdata") is None:
         pytest.skip("needs torchdata")
