@@ -199,9 +199,9 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         self.non_blocking = non_blocking
         self.source_drop_last = source_drop_last
         self.use_stateful_dataloader = use_stateful_dataloader
-        base: Any = stateful_dataloader_class()(*args, **kwargs) if use_stateful_dataloader else None
-        self.base_dataloader = base
-        self._state: dict[str, Any] = base.state_dict() if base is not None else {}
+        base: Any = (stateful_dataloader_class() if use_stateful_dataloader else DataLoader)(*args, **kwargs)
+        self.base_dataloader = base  # the loader the batches are drawn from, as in Accelerate
+        self._state: dict[str, Any] = base.state_dict() if use_stateful_dataloader else {}
         self._resumed_batches = 0
         self.iteration = 0
         self.end_of_dataloader = False
@@ -248,9 +248,7 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
 
     def _base_batches(self) -> Iterator[Any]:
         """The batches of this process's loader (torchdata's ``StatefulDataLoader`` when stateful)."""
-        if self.base_dataloader is not None:
-            return iter(self.base_dataloader)
-        return DataLoader.__iter__(self)
+        return iter(self.base_dataloader)
 
     def _stream(self, skip: int) -> Iterator[Any]:
         """Hand out the batches one ahead of the loader, skipping the first ``skip``."""
@@ -285,7 +283,7 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
 
     def _snapshot(self) -> None:
         """Record the stateful loader's state as of the batches handed out (it runs one batch ahead)."""
-        if self.base_dataloader is None:
+        if not self.use_stateful_dataloader:
             return
         self._state = self.base_dataloader.state_dict()
         self._adjust_state_for_prefetch()
@@ -300,13 +298,13 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         With ``use_stateful_dataloader`` it is torchdata's ``StatefulDataLoader`` state as of the last batch handed
         out (as in Accelerate); otherwise the epoch and the batches of it handed out so far.
         """
-        if self.base_dataloader is not None:
+        if self.use_stateful_dataloader:
             return self._state
         return {"iteration": self.iteration, "position": self.position}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from a :meth:`state_dict`: the next iteration continues where that one stopped."""
-        if self.base_dataloader is not None:
+        if self.use_stateful_dataloader:
             self.base_dataloader.load_state_dict(state_dict)
             finished = bool(state_dict.get("_iterator_finished", False))
             self._resumed_batches = 0 if finished else int(state_dict.get("_num_yielded", 0))
@@ -409,7 +407,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         return int(size) if self.split_batches else int(size) * self.num_processes
 
     def __len__(self) -> int:
-        whole = len(self.base_dataloader) if self.base_dataloader is not None else super().__len__()
+        whole = len(self.base_dataloader)
         if self.split_batches:
             return whole
         return whole // self.num_processes if self.source_drop_last else math.ceil(whole / self.num_processes)

@@ -493,7 +493,8 @@ def test_stateful_loaders_are_stateful_data_loaders(tmp_path: Path) -> None:
     for cls, loader in loaders.items():
         assert isinstance(loader, cls) and isinstance(loader, StatefulDataLoader)
         assert type(loader).__name__ == cls.__name__ and isinstance(loader.base_dataloader, StatefulDataLoader)
-        assert not isinstance(cls(list(range(8)), batch_size=2), StatefulDataLoader)
+        plain = cls(list(range(8)), batch_size=2)
+        assert not isinstance(plain, StatefulDataLoader) and type(plain.base_dataloader) is DataLoader
         assert pickle.loads(pickle.dumps(type(loader))) is type(loader)
         (tmp_path / f"{cls.__name__}.pkl").write_bytes(pickle.dumps(type(loader)))
     assert _batches(loaders[SkipDataLoader]) == [[2, 3], [4, 5], [6, 7]]
