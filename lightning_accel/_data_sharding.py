@@ -40,7 +40,7 @@ def check_split_batch_size(batch_size: int | None, num_processes: int, what: str
     if batch_size > 1 and batch_size % num_processes != 0:
         raise ValueError(
             f"split_batches=True splits each batch of {what} between the {num_processes} processes, so its batch size"
-            f" must be a multiple of {num_processes}; got batch_size={batch_size}. Use a batch size such as"
+            f" must be a round multiple of {num_processes}; got batch_size={batch_size}. Use a batch size such as"
             f" {num_processes * max(1, batch_size // num_processes)}, or leave split_batches=False."
         )
 
