@@ -48,6 +48,7 @@ from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
+from lightning_accel.tracking.registry import check_logging_dir
 from lightning_accel.utils import operations
 from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
 from lightning_accel.utils.other import extract_model_from_parallel
@@ -90,6 +91,15 @@ def _with_split_batches(config: DataLoaderConfiguration | None, split_batches: b
         stacklevel=3,
     )
     return DataLoaderConfiguration(split_batches=split_batches)
+
+
+def _named_trackers(log_with: Any) -> list[str | GeneralTracker]:
+    """The trackers Accelerate checks at construction: all of them, unless ``"all"`` is among them (resolved)."""
+    given = log_with if isinstance(log_with, (list, tuple)) else [log_with]
+    if any(str(tracker).lower() == "all" for tracker in given):
+        return []
+    named = [tracker for tracker in given if tracker is not None]
+    return resolve_trackers(named) if named else []
 
 
 def _check_arguments(**values: Any) -> None:
@@ -201,6 +211,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
+        check_logging_dir(_named_trackers(log_with), self.logging_dir)  # at construction, as Accelerate checks
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         settings = accelerator_kwargs(
             {

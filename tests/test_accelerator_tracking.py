@@ -126,9 +126,8 @@ def test_custom_tracker_receives_every_call(tmp_path: Path) -> None:
 
 
 def test_tracker_errors(tmp_path: Path) -> None:
-    accelerator = Accelerator(cpu=True, log_with="tensorboard")
-    with pytest.raises(ValueError, match="project_dir"):
-        accelerator.init_trackers("proj")
+    with pytest.raises(ValueError, match="project_dir"):  # at construction, as Accelerate
+        Accelerator(cpu=True, log_with="tensorboard")
     reset_state()
     accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
     accelerator.init_trackers("proj")
@@ -317,7 +316,7 @@ def test_all_selects_every_installed_tracker_once(monkeypatch: pytest.MonkeyPatc
 
 def test_all_needs_a_logging_dir_for_tensorboard(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True, log_with="all")
-    with pytest.raises(ValueError, match=r"\['tensorboard'\] write files"):
+    with pytest.raises(ValueError, match="Logging with `tensorboard` requires a `logging_dir`"):
         accelerator.init_trackers("proj")
     with pytest.raises(ValueError, match="project_dir"):
         filter_trackers(["all"], logging_dir=None)
@@ -410,3 +409,15 @@ def test_comet_offline_experiment_matches_hf_accelerate(tmp_path: Path) -> None:
         }
     )
     assert (ours["other"]["note"], ours["other"]["Name"], hf["other"]["note"]) == ("hello", "ours", "hello")
+
+
+def test_a_named_file_tracker_without_a_directory_raises_at_construction_as_hf() -> None:
+    import accelerate
+
+    import lightning_accel
+
+    for library in (accelerate, lightning_accel):
+        reset_accelerator_states()
+        with pytest.raises(ValueError, match="Logging with `tensorboard` requires a `logging_dir`"):
+            library.Accelerator(cpu=True, log_with="tensorboard")
+    reset_accelerator_states()

@@ -143,8 +143,9 @@ def check_logging_dir(log_with: Sequence[str | GeneralTracker], logging_dir: str
         return
     needing = [i for i in log_with if isinstance(i, str) and LOGGER_TYPE_TO_CLASS[i].requires_logging_directory]
     if needing:
+        names = ", ".join(f"`{name}`" for name in needing)
         raise ValueError(
-            f"Tracker(s) {needing} write files under a logging directory: pass Accelerator(project_dir=...) (or"
+            f"Logging with {names} requires a `logging_dir`: pass Accelerator(project_dir=...) (or"
             " ProjectConfiguration(logging_dir=...))."
         )
 
