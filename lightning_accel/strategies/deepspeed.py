@@ -44,12 +44,8 @@ from typing_extensions import override
 from lightning_accel._dummies import DummyOptim
 from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.deepspeed_core import (
-    DeepSpeedFamily,
-    TrainingFacts,
-    consolidate_deepspeed_checkpoint,
-    estimated_total_steps,
-)
+from lightning_accel.strategies.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
+from lightning_accel.strategies.deepspeed_core import DeepSpeedFamily, TrainingFacts, estimated_total_steps
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
 from lightning_accel.strategies.deepspeed_prepare import (
     PrepareFacts,
