@@ -177,17 +177,28 @@ def cpu_offload(
         ``model``.
 
     """
-    if execution_device is None:
-        execution_device = _first_parameter_device(model)
     if state_dict is None:
         state_dict = {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
+    return _attach_offload_hooks(model, execution_device, offload_buffers, state_dict, preload_module_classes)
+
+
+def _attach_offload_hooks(
+    model: nn.Module,
+    execution_device: DeviceLike | None,
+    offload_buffers: bool,
+    weights_map: Mapping[str, torch.Tensor],
+    preload_module_classes: list[str] | None,
+) -> nn.Module:
+    """The hooks of :func:`cpu_offload` and :func:`disk_offload`: each layer's weights read from ``weights_map``."""
+    if execution_device is None:
+        execution_device = _first_parameter_device(model)
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
     attach_align_device_hook(
         model,
         execution_device=execution_device,
         offload=True,
         offload_buffers=offload_buffers,
-        weights_map=state_dict,
+        weights_map=weights_map,
         preload_module_classes=preload_module_classes,
     )
     return model
@@ -246,18 +257,8 @@ def disk_offload(
     """
     if not _has_offload_index(offload_dir):
         offload_state_dict(offload_dir, model.state_dict())
-    if execution_device is None:
-        execution_device = _first_parameter_device(model)
-    add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
-    attach_align_device_hook(
-        model,
-        execution_device=execution_device,
-        offload=True,
-        offload_buffers=offload_buffers,
-        weights_map=OffloadedWeightsLoader(save_folder=offload_dir),
-        preload_module_classes=preload_module_classes,
-    )
-    return model
+    weights_map = OffloadedWeightsLoader(save_folder=offload_dir)
+    return _attach_offload_hooks(model, execution_device, offload_buffers, weights_map, preload_module_classes)
 
 
 def _main_device(devices: list[DeviceLike]) -> DeviceLike:
