@@ -35,6 +35,7 @@ from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
 from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.devices import backend_for_device
+from lightning_accel.utils.environment import torch_device_from_env
 
 __all__ = ["Launch", "build_fabric", "describe_prepare_call", "detect_launch", "split_handlers"]
 
@@ -103,11 +104,32 @@ def _positive(env: Mapping[str, str], name: str, default: str) -> int:
 
 
 def device_type(cpu: bool) -> str:
-    """The device type to train on: ``cpu`` when asked, else the machine's accelerator (cuda, mps, xpu, ...)."""
-    if cpu or not torch.accelerator.is_available():
+    """The device type to train on: ``cpu`` when asked, else ``ACCELERATE_TORCH_DEVICE``'s, else the machine's."""
+    if cpu:
+        return "cpu"
+    env_device = torch_device_from_env()
+    if env_device is not None:
+        return env_device.type
+    if not torch.accelerator.is_available():
         return "cpu"
     current = torch.accelerator.current_accelerator()
     return "cpu" if current is None else current.type
+
+
+def recorded_device(fabric: Fabric, cpu: bool) -> torch.device:
+    """The device the state records: ``ACCELERATE_TORCH_DEVICE`` where it names the Fabric's device type."""
+    env_device = None if cpu else torch_device_from_env()
+    if env_device is not None and env_device.type == fabric.device.type:
+        return env_device
+    return fabric.device
+
+
+def _devices(device: str, launch: Launch) -> int | list[int]:
+    """Processes per node, or the one index ``ACCELERATE_TORCH_DEVICE`` names for a single-process run."""
+    env = torch_device_from_env()
+    if launch.local_world_size == 1 and device != "cpu" and env is not None and env.type == device:
+        return launch.local_world_size if env.index is None else [env.index]
+    return launch.local_world_size
 
 
 def distributed_type(launch: Launch, device: str, plugins: Mapping[str, Any]) -> DistributedType:
@@ -188,7 +210,7 @@ def build_fabric(
     precision: AcceleratePrecision = precision_cls(**_accepted(precision_cls, handlers))
     fabric = Fabric(
         accelerator=device,
-        devices=launch.local_world_size,
+        devices=_devices(device, launch),
         num_nodes=launch.num_nodes,
         strategy=strategy,
         plugins=[precision],

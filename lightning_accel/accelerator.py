@@ -253,10 +253,10 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
         fabric = _fabric.build_fabric(
             dtype, device, launch, mixed_precision=mixed_precision, handlers=handlers, plugins=plugins
         )
-        self.state = AcceleratorState()
+        self.state = AcceleratorState(cpu=bool(settings["cpu"]))
         self.state._configure(
             dtype,
-            fabric.device,
+            _fabric.recorded_device(fabric, bool(settings["cpu"])),
             num_processes=fabric.world_size,
             process_index=fabric.global_rank,
             local_index=fabric.local_rank,

@@ -114,12 +114,16 @@ class PartialState(_SharedState):
 
     def _join_launch(self, cpu: bool, init_kwargs: dict[str, Any]) -> None:
         from lightning_accel.strategies.devices import backend_for_device, default_collective_backend
+        from lightning_accel.utils.environment import torch_device_from_env
 
         environment = _launch_environment()
+        env_device = None if cpu else torch_device_from_env()
         device_type = "cpu" if cpu or not torch.accelerator.is_available() else _accelerator_type()
+        device_type = device_type if env_device is None else env_device.type
         world_size = environment.world_size() if environment is not None else 1
         if world_size == 1 and not dist.is_initialized():
             device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type, 0)
+            device = device if env_device is None else env_device
             self._configure(DistributedType.NO, device, num_processes=1, process_index=0, local_index=0)
             self.backend = None
             return
@@ -133,6 +137,7 @@ class PartialState(_SharedState):
             rank = environment.global_rank()
             dist.init_process_group(backend, rank=rank, world_size=world_size, **init_kwargs)
         device = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, local_rank)
+        device = device if env_device is None else env_device
         index, count = dist.get_rank(), dist.get_world_size()
         self._configure(
             entry.distributed_type, device, num_processes=count, process_index=index, local_index=local_rank
@@ -290,25 +295,57 @@ class PartialState(_SharedState):
 class AcceleratorState(PartialState):
     """:class:`PartialState` plus the run's precision and the strategy's distributed type.
 
-    It shares its attributes with :class:`PartialState` (``AcceleratorState().num_processes`` is the same value).
+    As in Accelerate it keeps its own dictionary, filled from :class:`PartialState`'s when first created (joining the
+    launch if no ``PartialState`` did yet): the process description is the same, while ``distributed_type`` is the
+    strategy's (``FSDP`` here, ``MULTI_CPU`` in ``PartialState``).
+
+    Args:
+        cpu: Use the CPU even where an accelerator is present (passed on to the first ``PartialState``).
+        **kwargs: ``torch.distributed.init_process_group`` arguments for the first ``PartialState``.
+
     """
 
-    _shared_state = PartialState._shared_state
+    _shared_state: ClassVar[dict[str, Any]] = {}
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        partial = PartialState(cpu, **kwargs)
+        _SharedState.__init__(self)
+        for key, value in partial.__dict__.items():
+            self.__dict__.setdefault(key, value)
+        self.fork_launched = partial.fork_launched
         if "mixed_precision" not in self.__dict__:
             self.mixed_precision = PrecisionType.NO.value
+
+    @override
+    def _configure(
+        self,
+        distributed_type: DistributedType,
+        device: torch.device,
+        *,
+        num_processes: int,
+        process_index: int,
+        local_index: int,
+        debug: bool = False,
+    ) -> None:
+        super()._configure(
+            distributed_type,
+            device,
+            num_processes=num_processes,
+            process_index=process_index,
+            local_index=local_index,
+            debug=debug,
+        )
+        # The processes are the same for both states; only the distributed type is the strategy's here.
+        partial = PartialState()
+        partial.debug, partial.device = debug, device
 
     @classmethod
     @override
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
-        """Forget the run's settings; with ``reset_partial_state`` also the processes (Accelerate's signature)."""
+        """Forget the run's state; with ``reset_partial_state`` also the processes (Accelerate's signature)."""
+        cls._shared_state.clear()
         if reset_partial_state:
             PartialState._reset_state()
-            return
-        for key in _RUN_KEYS:
-            cls._shared_state.pop(key, None)
 
 
 class GradientState(_SharedState):

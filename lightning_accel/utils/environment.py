@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lightning_accel.config import _arguments
 from lightning_accel.config._settings import (
     _FALSE_WORDS,
@@ -44,6 +46,7 @@ __all__ = [
     "settings_from_env",
     "str_to_bool",
     "strategy_from_env",
+    "torch_device_from_env",
     "trainer_kwargs",
 ]
 
@@ -117,6 +120,24 @@ def parse_flag_from_env(key: str, default: bool = False, environ: Mapping[str, s
 
     """
     return str_to_bool(_environ(environ).get(key, str(default))) == 1
+
+
+def torch_device_from_env(environ: Mapping[str, str] | None = None) -> torch.device | None:
+    """The device ``ACCELERATE_TORCH_DEVICE`` names (``"cuda:3"``, ``"cpu"``), overriding the one picked by default.
+
+    Raises:
+        ValueError: If the variable holds something ``torch.device`` cannot parse.
+
+    """
+    text = _environ(environ).get("ACCELERATE_TORCH_DEVICE")
+    if not text:
+        return None
+    try:
+        return torch.device(text)
+    except RuntimeError as error:
+        raise ValueError(
+            f"ACCELERATE_TORCH_DEVICE={text!r} is not a torch device: set it to a device such as 'cuda:0' or 'cpu'."
+        ) from error
 
 
 def convert_dict_to_env_variables(current_env: Mapping[str, str]) -> list[str]:

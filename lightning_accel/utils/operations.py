@@ -93,9 +93,11 @@ def recursively_apply(
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
+        # Accelerate's wording, which its own tests (and so user code matching on it) check word for word.
         raise TypeError(
-            f"Cannot apply {getattr(func, '__name__', func)!r} to a {type(data).__name__}: only nested lists, tuples"
-            " and dicts of tensors are supported. Convert the value to a tensor first."
+            f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. Only nested"
+            f" list/tuple/dicts of objects that are valid for `{getattr(test_type, '__name__', test_type)}` should"
+            " be passed."
         )
     return data
 
