@@ -4,9 +4,10 @@ Each family module (``single_device``, ``ddp``, ...) lists its names in ``ENTRIE
 to the name table, and :func:`register_strategies` copies the table into Lightning's registries.
 """
 
-from lightning_accel.strategies import auto, ddp, deepspeed, fsdp, single_device
+from lightning_accel.strategies import auto, ddp, deepspeed, fsdp, parallel, single_device
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp import AcceleratedFSDPStrategy, FabricAcceleratedFSDPStrategy
+from lightning_accel.strategies.parallel import AcceleratedParallelStrategy, FabricAcceleratedParallelStrategy
 from lightning_accel.strategies.registry import (
     StrategyEntry,
     add_entry,
@@ -20,16 +21,18 @@ from lightning_accel.strategies.single_device import (
     FabricAcceleratedSingleDeviceStrategy,
 )
 
-for _family in (single_device, ddp, fsdp, deepspeed, auto):
+for _family in (single_device, ddp, fsdp, deepspeed, parallel, auto):
     for _entry in _family.ENTRIES:
         add_entry(_entry)
 
 __all__ = [
     "AcceleratedDDPStrategy",
     "AcceleratedFSDPStrategy",
+    "AcceleratedParallelStrategy",
     "AcceleratedSingleDeviceStrategy",
     "FabricAcceleratedDDPStrategy",
     "FabricAcceleratedFSDPStrategy",
+    "FabricAcceleratedParallelStrategy",
     "FabricAcceleratedSingleDeviceStrategy",
     "StrategyEntry",
     "add_entry",

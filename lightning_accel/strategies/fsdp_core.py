@@ -56,8 +56,10 @@ class FSDPFamily:
         """Whether checkpoints hold the full (gathered) state rather than one shard per process."""
         return self.plugin.state_dict_type == "FULL_STATE_DICT"
 
-    def wrap(self, module: Module, device: torch.device, world_size: int, precision: Any = None) -> Module:
-        """Shard ``module`` across the default process group; returns the module to train.
+    def wrap(
+        self, module: Module, device: torch.device, world_size: int, precision: Any = None, mesh: Any = None
+    ) -> Module:
+        """Shard ``module`` across the default process group (or FSDP2's ``mesh``); returns the module to train.
 
         The module is compiled first, as the dynamo plugin says. Without a ``mixed_precision_policy`` in the plugin,
         a mixed-precision ``precision`` plugin (bf16/fp16 autocast) also sets FSDP's parameter, reduction and buffer
@@ -78,7 +80,7 @@ class FSDPFamily:
         mixed_precision = self._mixed_precision(precision)
         if self.version == 1:
             return self._wrap_fsdp1(module, device, mixed_precision)
-        return self._wrap_fsdp2(module, device, world_size, mixed_precision)
+        return self._wrap_fsdp2(module, device, world_size, mixed_precision, mesh)
 
     def wrap_with_optimizers(
         self,
@@ -299,13 +301,15 @@ class FSDPFamily:
             ignored_modules=self._ignored_modules(module),
         )
 
-    def _wrap_fsdp2(self, module: Module, device: torch.device, world_size: int, mixed_precision: Any) -> Module:
+    def _wrap_fsdp2(
+        self, module: Module, device: torch.device, world_size: int, mixed_precision: Any, mesh: Any = None
+    ) -> Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         plugin = self.plugin
         kwargs: dict[str, Any] = {
-            "mesh": init_device_mesh(device.type, (world_size,)),
+            "mesh": init_device_mesh(device.type, (world_size,)) if mesh is None else mesh,
             "reshard_after_forward": plugin.reshard_after_forward,
             "offload_policy": plugin.torch_cpu_offload(),
         }
