@@ -170,22 +170,10 @@ def test_dispatch_and_load_errors(tmp_path: Path) -> None:
         lightning_accel.load_checkpoint_and_dispatch(Mixed(), str(tmp_path / "model.bin"), device_map="fastest")
     with pytest.raises(ValueError, match=r"tensors the model does not: \['extra'\]"):
         lightning_accel.load_checkpoint_in_model(Mixed(), tmp_path / "model.bin", device_map={"": "cpu"}, strict=True)
-    with pytest.raises(NotImplementedError, match="bitsandbytes"):
-        lightning_accel.load_checkpoint_in_model(Mixed(), tmp_path / "model.bin", offload_8bit_bnb=True)
     with pytest.raises(ValueError, match="offload_folder"):
         lightning_accel.load_checkpoint_in_model(Mixed(), tmp_path / "model.bin", device_map={"": "disk"})
     with pytest.raises(ValueError, match="should be the path to a file"):
         lightning_accel.load_checkpoint_in_model(Mixed(), tmp_path / "nothing")
-
-
-def test_quantized_parameters_are_refused() -> None:
-    class Int8Params(nn.Parameter):  # stands in for bitsandbytes' class, recognised by name
-        pass
-
-    layer = nn.Linear(2, 2)
-    layer.weight = Int8Params(layer.weight.data)
-    with pytest.raises(NotImplementedError, match="bitsandbytes"):
-        modeling.set_module_tensor_to_device(layer, "weight", "cpu", value=torch.zeros(2, 2))
 
 
 def test_offloaded_state_dict_includes_root_tensors() -> None:

@@ -36,6 +36,7 @@ from lightning_accel.enums import (
     SageMakerDistributedType,
 )
 from lightning_accel.utils.amp import get_grad_scaler, get_mixed_precision_context_manager
+from lightning_accel.utils.bnb import has_4bit_bnb_layers, load_and_quantize_model
 from lightning_accel.utils.checkpoint import load_full_state_dict
 from lightning_accel.utils.constants import (
     BETA_CP_AVAILABLE_PYTORCH_VERSION,
@@ -318,6 +319,7 @@ __all__ = [
     "get_max_memory",
     "get_mixed_precision_context_manager",
     "get_model_tp_size",
+    "has_4bit_bnb_layers",
     "has_offloaded_params",
     "id_tensor_storage",
     "infer_auto_device_map",
@@ -387,6 +389,7 @@ __all__ = [
     "is_xpu_available",
     "listify",
     "load",
+    "load_and_quantize_model",
     "load_checkpoint_in_model",
     "load_full_state_dict",
     "load_offloaded_weight",

@@ -28,6 +28,7 @@ from lightning_accel.utils.constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from lightning_accel.utils.modeling_sizes import DtypeLike, _as_dtype
 from lightning_accel.utils.modeling_tensors import (
     DeviceLike,
+    _owner_and_name,
     check_tied_parameters_in_config,
     check_tied_parameters_on_same_device,
     find_tied_parameters,
@@ -40,6 +41,12 @@ from lightning_accel.utils.offload import load_offloaded_weight, offload_weight,
 __all__ = ["load_checkpoint_in_model", "load_offloaded_weights", "load_state_dict"]
 
 logger = logging.getLogger(__name__)
+
+
+def _main_device(device_map: Mapping[str, DeviceLike]) -> DeviceLike:
+    """Where offloaded 8-bit weights are quantized: the lowest accelerator index of the map, else the CPU."""
+    indices = sorted(device for device in device_map.values() if isinstance(device, int))
+    return indices[0] if indices else "cpu"
 
 
 def _device_name(device: DeviceLike) -> str:
@@ -210,6 +217,7 @@ class _ShardLoader:
         offload_state_dict: bool,
         offload_buffers: bool,
         keep_in_fp32_modules: list[str] | None,
+        quantize_device: DeviceLike | None = None,
     ) -> None:
         self.model = model
         self.device_map = device_map
@@ -217,6 +225,7 @@ class _ShardLoader:
         self.dtype = dtype
         self.offload_buffers = offload_buffers
         self.keep_in_fp32_modules = keep_in_fp32_modules
+        self.quantize_device = quantize_device
         self.model_keys = set(model.state_dict())
         self.buffer_names = {name for name, _ in model.named_buffers()}
         self.offload_index: dict[str, Any] = {}
@@ -244,16 +253,37 @@ class _ShardLoader:
                 statistics = loaded[statistics_name]
             if device == "disk" and (self.offload_buffers or name not in self.buffer_names):
                 assert self.offload_folder is not None
-                set_module_tensor_to_device(self.model, name, "meta", dtype=dtype or tensor.dtype)
-                offload_weight(tensor, name, self.offload_folder, index=self.offload_index)
+                self._offload(name, tensor, dtype, statistics, self.offload_folder, self.offload_index)
             elif device == "cpu" and self.state_dict_folder is not None:
-                set_module_tensor_to_device(self.model, name, "meta", dtype=dtype or tensor.dtype)
-                offload_weight(tensor, name, self.state_dict_folder, index=self.state_dict_index)
+                self._offload(name, tensor, dtype, statistics, self.state_dict_folder, self.state_dict_index)
             else:
                 target = "cpu" if device == "disk" else device
                 set_module_tensor_to_device(
                     self.model, name, target, value=tensor, dtype=dtype, fp16_statistics=statistics
                 )
+
+    def _offload(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        dtype: torch.dtype | None,
+        statistics: torch.Tensor | None,
+        folder: str | os.PathLike[str],
+        index: dict[str, Any],
+    ) -> None:
+        """Write ``tensor`` to ``folder`` and leave a meta placeholder; 8-bit weights are quantized first."""
+        owner, tensor_name = _owner_and_name(self.model, name)
+        is_int8 = self.quantize_device is not None and type(owner._parameters.get(tensor_name)).__name__ == "Int8Params"
+        if is_int8 and statistics is None:  # quantize on the main device, then offload the int8 weight and its SCB
+            set_module_tensor_to_device(self.model, name, self.quantize_device, value=tensor, dtype=dtype)  # type: ignore[arg-type]
+            quantized = owner._parameters[tensor_name]
+            assert quantized is not None
+            tensor, statistics = quantized.data, quantized.SCB  # type: ignore[attr-defined]
+        offload_weight(tensor, name, folder, index=index)
+        if statistics is not None:
+            offload_weight(statistics, name.replace("weight", "SCB"), folder, index=index)
+        placeholder_dtype = torch.int8 if is_int8 else dtype or tensor.dtype
+        set_module_tensor_to_device(self.model, name, "meta", dtype=placeholder_dtype)
 
     def finish(self) -> None:
         if self.offload_folder is not None:
@@ -292,7 +322,8 @@ def load_checkpoint_in_model(
         offload_state_dict: Keep the CPU part on disk while loading (for RAM that cannot hold it plus a shard).
         offload_buffers: Offload the ``"disk"`` modules' buffers too.
         keep_in_fp32_modules: Module names kept in float32 when ``dtype`` is float16.
-        offload_8bit_bnb: Offload bitsandbytes 8-bit modules (not supported yet: raises).
+        offload_8bit_bnb: Quantize bitsandbytes 8-bit weights on the main device before offloading them (with their
+            ``SCB`` statistics), as :func:`~lightning_accel.utils.load_and_quantize_model` does.
         strict: Refuse checkpoint tensors the model does not have.
         full_state_dict: Without a device map, the checkpoint is a full (not sharded-tensor) state dict.
         broadcast_from_rank0: Without a device map, rank 0 reads the checkpoint and broadcasts it (needs an
@@ -301,14 +332,8 @@ def load_checkpoint_in_model(
     Raises:
         ValueError: For a map with ``"disk"`` but no ``offload_folder``, a tensor without a device, unexpected keys
             under ``strict``, or a checkpoint path that is none of the above.
-        NotImplementedError: For ``offload_8bit_bnb``.
 
     """
-    if offload_8bit_bnb:
-        raise NotImplementedError(
-            "offload_8bit_bnb needs bitsandbytes quantization, which lightning_accel does not support yet; load the "
-            "8-bit model without offloading its quantized modules."
-        )
     tied_params = find_tied_parameters(model)
     if check_tied_parameters_in_config(model) and not tied_params:
         logger.warning(
@@ -333,7 +358,7 @@ def load_checkpoint_in_model(
         resolved_dtype = _as_dtype(dtype) if dtype is not None else None
         loader = _ShardLoader(
             model, device_map, offload_folder, resolved_dtype, offload_state_dict, offload_buffers,
-            keep_in_fp32_modules,
+            keep_in_fp32_modules, _main_device(device_map) if offload_8bit_bnb else None,
         )  # fmt: skip
     for checkpoint_file in files:
         if loader is None:

@@ -105,14 +105,19 @@ def _shared_tied_copy(
 def _rebuild_parameter(old: nn.Parameter, data: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A parameter of ``old``'s class holding ``data``, keeping ``requires_grad`` and transformers' init marker."""
     param_cls = type(old)
-    if param_cls.__name__ in _QUANTIZED_PARAMETER_CLASSES:
-        raise NotImplementedError(
-            f"{param_cls.__name__} (bitsandbytes) quantizes its data when moved; lightning_accel does not place "
-            "bitsandbytes parameters yet. Load the quantized model with bitsandbytes' own `.to(device)`."
-        )
     hf_initialized = old.__dict__.get("_is_hf_initialized")
     new: torch.Tensor
-    if "torchao" in getattr(param_cls, "__module__", "") or param_cls.__name__ == "AffineQuantizedTensor":
+    if param_cls.__name__ in _QUANTIZED_PARAMETER_CLASSES:
+        # bitsandbytes quantizes unquantized data (kept on the CPU) as it moves off it; its settings are attributes.
+        if isinstance(data, param_cls):  # bitsandbytes' own ``.to`` made it
+            return data
+        attributes = {key: value for key, value in old.__dict__.items() if key != "_is_hf_initialized"}
+        if param_cls.__name__ == "Int8Params" and data.dtype == torch.int8:
+            attributes["CB"] = data  # already quantized: the int8 data is the weight (its SCB is set by the caller)
+        new = param_cls(data, requires_grad=old.requires_grad, **attributes)
+        if device.type != "meta":
+            new = new.to(device)
+    elif "torchao" in getattr(param_cls, "__module__", "") or param_cls.__name__ == "AffineQuantizedTensor":
         new = data.to(device)
     elif param_cls.__name__ in ("QTensor", "QBitsTensor"):
         new = nn.Parameter(data, requires_grad=old.requires_grad).to(device)
@@ -194,6 +199,8 @@ def set_module_tensor_to_device(
                     new_value = new_value.to(dtype)
                 if not is_buffer:
                     owner._parameters[name] = param_cls(new_value, requires_grad=old_value.requires_grad)
+        elif param_cls.__name__ in _QUANTIZED_PARAMETER_CLASSES and target.type != "meta":
+            new_value = value.to("cpu")  # quantized on its way to ``target`` (see _rebuild_parameter)
         else:
             new_value = value.to(target, non_blocking=non_blocking)
 
