@@ -224,6 +224,21 @@ def fabric_run(sizes: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
     }
 
 
+def missing_plan_error() -> str:
+    """What ``setup_module`` says when tp_size > 1 but nothing applied tensor parallelism."""
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=lightning_accel.strategies.FabricAcceleratedParallelStrategy(ParallelismConfig(tp_size=2)),
+    )
+    fabric.launch()
+    try:
+        fabric.setup_module(MLP())
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -241,6 +256,8 @@ def main() -> None:
     results[f"reference_{split_name}"] = reference(dp_split, epochs=2, shuffle=True)
     results[f"reference_fabric_{split_name}"] = reference(dp_split, epochs=2, shuffle=False)
     results[f"reference_{data_name}"] = reference(dist.get_world_size(), epochs=2, shuffle=True)
+    if args.layout == 2:
+        results["missing_plan"] = {"error": missing_plan_error()}
     for variant, value in results.items():
         torch.save(value, args.out / f"{variant}_rank{rank}.pt")
     dist.destroy_process_group()
