@@ -7,7 +7,6 @@ imported only when a feature that needs them is used.
 """
 
 from lightning_accel.accelerator import Accelerator
-from lightning_accel.accelerators import register_accelerators
 from lightning_accel.big_modeling import (
     attach_layerwise_casting_hooks,
     cpu_offload,
@@ -32,6 +31,7 @@ from lightning_accel.enums import DDPCommunicationHookType, DistributedType, Pre
 from lightning_accel.launchers import debug_launcher, notebook_launcher
 from lightning_accel.state import AcceleratorState, GradientState, PartialState
 from lightning_accel.strategies import register_strategies, strategy_for
+from lightning_accel.strategies.accelerators import register_accelerators
 from lightning_accel.utils.memory import find_executable_batch_size
 from lightning_accel.utils.modeling import (
     infer_auto_device_map,

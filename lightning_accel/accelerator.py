@@ -25,11 +25,12 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_accel import _engine_step, _fabric
-from lightning_accel._checkpoint_control import CheckpointControl
-from lightning_accel._loader_control import DataLoaderControl
-from lightning_accel._module import AcceleratedModule, distributed_data_parallel, plain_optimizer_step
-from lightning_accel._process import ProcessControl
+from lightning_accel._shim import engine_step as _engine_step
+from lightning_accel._shim import fabric as _fabric
+from lightning_accel._shim.checkpoint_control import CheckpointControl
+from lightning_accel._shim.loader_control import DataLoaderControl
+from lightning_accel._shim.module import AcceleratedModule, distributed_data_parallel, plain_optimizer_step
+from lightning_accel._shim.process import ProcessControl
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,

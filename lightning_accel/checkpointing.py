@@ -4,7 +4,7 @@ A checkpoint folder holds ``model.safetensors`` (``model_1.safetensors``, ... or
 serialization), ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt`` (fp16 with a gradient scaler),
 ``random_states_{rank}.pkl`` (one per process), ``custom_checkpoint_{i}.pkl`` (registered objects) and, with
 ``use_stateful_dataloader``, ``dl_state_dict.bin`` (``dl_state_dict_{i}.bin``; see
-:mod:`lightning_accel._loader_checkpoint`). Model weights are the user's module's state dict (no DDP ``module.``
+:mod:`lightning_accel._shim.loader_checkpoint`). Model weights are the user's module's state dict (no DDP ``module.``
 prefix), as Accelerate writes them.
 
 Differences from Accelerate (its bugs, fixed):
@@ -20,7 +20,7 @@ Differences from Accelerate (its bugs, fixed):
 
 Under FSDP and DeepSpeed the engine writes the models and optimizers itself, under Accelerate's names too
 (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, ``pytorch_model_fsdp.bin`` and ``optimizer.bin``, or DeepSpeed's
-``pytorch_model/``): see :mod:`lightning_accel._sharded_checkpoint`. As in Accelerate, the save hooks then get no
+``pytorch_model/``): see :mod:`lightning_accel._shim.sharded_checkpoint`. As in Accelerate, the save hooks then get no
 weights and the load hooks no models.
 """
 
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lightning_accel._loader_checkpoint import loader_positions, restore_loaders, save_loader_states
-from lightning_accel._sharded_checkpoint import EngineCheckpoint, engine_checkpoint
+from lightning_accel._shim.loader_checkpoint import loader_positions, restore_loaders, save_loader_states
+from lightning_accel._shim.sharded_checkpoint import EngineCheckpoint, engine_checkpoint
 from lightning_accel.utils.constants import (
     MODEL_NAME,
     OPTIMIZER_NAME,

@@ -31,7 +31,7 @@ class AcceleratedOptimizer(Optimizer):
         optimizer: The optimizer Fabric returned from ``setup_optimizers`` (or a plain one).
         precision: The precision plugin, asked whether the last step was skipped (fp16 overflow).
         plain_step: The strategy and precision plugin add nothing to the step (see
-            :func:`lightning_accel._module.plain_optimizer_step`): step the user's optimizer directly.
+            :func:`lightning_accel._shim.module.plain_optimizer_step`): step the user's optimizer directly.
         engine_steps: The engine steps inside ``Accelerator.backward`` (DeepSpeed): ``step``/``zero_grad`` are no-ops.
 
     """

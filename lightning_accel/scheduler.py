@@ -77,3 +77,13 @@ class AcceleratedScheduler:
     def print_lr(self, *args: Any, **kwargs: Any) -> None:
         """The wrapped scheduler's ``print_lr``."""
         self.scheduler.print_lr(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+class DeepSpeedSchedulerWrapper(AcceleratedScheduler):
+    """The engine's scheduler as ``prepare`` returns it: the engine steps it in ``backward``, so ``step`` does nothing.
+
+    ``get_last_lr``, ``state_dict`` and the other methods are the engine scheduler's.
+    """
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Do nothing: ``accelerator.backward`` stepped the engine, and with it this scheduler (as in Accelerate)."""

@@ -11,7 +11,9 @@ The first ``PartialState()`` of a launched process joins the launch's process gr
 from __future__ import annotations
 
 import functools
+import gc
 import os
+import sys
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -32,7 +34,7 @@ from typing_extensions import override
 from lightning_accel.config import GradientAccumulationPlugin
 from lightning_accel.enums import DistributedType, PrecisionType
 
-__all__ = ["AcceleratorState", "GradientState", "PartialState", "reset_state"]
+__all__ = ["AcceleratorState", "GradientState", "PartialState", "destroy_process_group", "reset_state"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -139,9 +141,8 @@ class PartialState(_SharedState):
         device = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, local_rank)
         device = device if env_device is None else env_device
         index, count = dist.get_rank(), dist.get_world_size()
-        self._configure(
-            entry.distributed_type, device, num_processes=count, process_index=index, local_index=local_rank
-        )
+        dtype = entry.distributed_type if count > 1 else DistributedType.NO  # a one-process group is not distributed
+        self._configure(dtype, device, num_processes=count, process_index=index, local_index=local_rank)
         self.backend = dist.get_backend()
 
     def _configure(
@@ -197,8 +198,6 @@ class PartialState(_SharedState):
         if group is not None:
             dist.destroy_process_group(group)
             return
-        from lightning_accel._process import destroy_process_group
-
         destroy_process_group()
 
     @contextmanager
@@ -468,6 +467,25 @@ def _launch_environment() -> ClusterEnvironment | None:
 def _accelerator_type() -> str:
     current = torch.accelerator.current_accelerator()
     return "cpu" if current is None else current.type
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group, and DeepSpeed's cached groups with it where DeepSpeed set them up.
+
+    DeepSpeed keeps its own references to the groups it derived (data parallel, world clone); torch's
+    ``destroy_process_group`` alone leaves them stale, and a second DeepSpeed run in the same process fails on them.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    # Collect cycles first (e.g. a caught collective error's traceback): a gloo work object freed only at interpreter
+    # exit deadlocks on the GIL.
+    gc.collect()
+    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
+    backend = getattr(deepspeed_comm, "cdb", None)
+    if backend is not None and backend.is_initialized():
+        deepspeed_comm.destroy_process_group()  # type: ignore[union-attr]  # the module is loaded: backend is set
+    else:
+        dist.destroy_process_group()
 
 
 def reset_state() -> None:

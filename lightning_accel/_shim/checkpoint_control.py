@@ -1,7 +1,7 @@
 """The ``Accelerator``'s checkpoint surface: registered objects and hooks, state dicts, ``save_model``, ``save_state``.
 
 The files and their names are :mod:`lightning_accel.checkpointing`'s; sharded engines (FSDP, DeepSpeed) write theirs
-through :mod:`lightning_accel._sharded_checkpoint`.
+through :mod:`lightning_accel._shim.sharded_checkpoint`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accel import checkpointing
-from lightning_accel._module import AcceleratedModule
+from lightning_accel._shim.module import AcceleratedModule
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.utils.modeling_offloaded import get_state_dict_offloaded_model, has_offloaded_params
 from lightning_accel.utils.other import extract_model_from_parallel, save
@@ -92,7 +92,7 @@ class CheckpointControl:
         """
         if not unwrap:
             return dict(self.fabric.strategy.get_module_state_dict(getattr(model, "_forward_module", model)))
-        from lightning_accel._sharded_checkpoint import engine_checkpoint
+        from lightning_accel._shim.sharded_checkpoint import engine_checkpoint
 
         engine = engine_checkpoint(self.fabric.strategy)
         if engine is not None:

@@ -20,8 +20,9 @@ from typing import Any
 from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 from torch.optim.lr_scheduler import LRScheduler
 
-from lightning_accel._dummies import DeepSpeedSchedulerWrapper, DummyScheduler, only_deepspeed_error
 from lightning_accel.optimizer import AcceleratedOptimizer
+from lightning_accel.scheduler import DeepSpeedSchedulerWrapper
+from lightning_accel.utils.deepspeed import DummyScheduler, only_deepspeed_error
 
 __all__ = [
     "SCHEDULERS",

@@ -20,7 +20,6 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from lightning_accel._dummies import DummyOptim, DummyScheduler
 from lightning_accel.config import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -35,6 +34,7 @@ from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
 from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.devices import backend_for_device
+from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
 from lightning_accel.utils.environment import torch_device_from_env
 
 __all__ = ["Launch", "build_fabric", "describe_prepare_call", "detect_launch", "split_handlers"]

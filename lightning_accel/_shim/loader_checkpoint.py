@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_accel._data_loaders import DataLoaderShard
+from lightning_accel._shim.data_loaders import DataLoaderShard
 
 __all__ = ["loader_positions", "restore_loaders", "save_loader_states", "state_file_name"]
 

@@ -12,7 +12,7 @@ from lightning.fabric.strategies import DDPStrategy
 from torch.distributed.algorithms import Join, Joinable
 from torch.utils.data import DataLoader
 
-from lightning_accel._data_sharding import BatchSamplerShard
+from lightning_accel._shim.data_sharding import BatchSamplerShard
 from lightning_accel.config import DataLoaderConfiguration
 from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches

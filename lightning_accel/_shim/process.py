@@ -6,8 +6,6 @@ from its strategy.
 
 from __future__ import annotations
 
-import gc
-import sys
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -18,7 +16,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.state import AcceleratorState
 from lightning_accel.utils.operations import reduce
 
-__all__ = ["ProcessControl", "destroy_process_group"]
+__all__ = ["ProcessControl"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -136,24 +134,3 @@ class ProcessControl:
         if raised:
             self._trigger = None
         return raised
-
-
-def destroy_process_group() -> None:
-    """Destroy the default process group, and DeepSpeed's cached groups with it where DeepSpeed set them up.
-
-    DeepSpeed keeps its own references to the groups it derived (data parallel, world clone); torch's
-    ``destroy_process_group`` alone leaves them stale, and a second DeepSpeed run in the same process fails on them.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    # Collect cycles first (e.g. a caught collective error's traceback): a gloo work object freed only at interpreter
-    # exit deadlocks on the GIL.
-    gc.collect()
-    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
-    backend = getattr(deepspeed_comm, "cdb", None)
-    if backend is not None and backend.is_initialized():
-        deepspeed_comm.destroy_process_group()  # type: ignore[union-attr]  # the module is loaded: backend is set
-    else:
-        dist.destroy_process_group()

@@ -41,7 +41,6 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_accel._dummies import DummyOptim
 from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
@@ -55,6 +54,7 @@ from lightning_accel.strategies.deepspeed_prepare import (
 )
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.deepspeed import DummyOptim
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

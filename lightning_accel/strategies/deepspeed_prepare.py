@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_accel._dummies import DummyOptim, DummyScheduler
 from lightning_accel.strategies.deepspeed_core import keep_torch_optimizer_on_cpu, resolve_precision
+from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
 
 __all__ = ["PrepareFacts", "check_dummies", "dummy_fills", "resolve_prepare_config"]
 
