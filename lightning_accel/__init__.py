@@ -32,6 +32,7 @@ from lightning_accel.launchers import debug_launcher, notebook_launcher
 from lightning_accel.state import AcceleratorState, GradientState, PartialState
 from lightning_accel.strategies import register_strategies, strategy_for
 from lightning_accel.strategies.accelerators import register_accelerators
+from lightning_accel.strategies.arguments import trainer_kwargs
 from lightning_accel.utils.memory import find_executable_batch_size
 from lightning_accel.utils.modeling import (
     infer_auto_device_map,
@@ -74,4 +75,5 @@ __all__ = [
     "notebook_launcher",
     "skip_first_batches",
     "strategy_for",
+    "trainer_kwargs",
 ]

@@ -5,7 +5,7 @@
 ``--fsdp_*``, ``--zero_stage``, ``--dynamo_backend``, ...): options given on the command line win over the config file,
 which wins over the defaults. It starts the processes with ``torch.distributed.run`` and the environment
 ``accelerate launch`` sets, so both Accelerate-style scripts and Lightning scripts (``strategy="acc_auto"`` or
-``lightning_accel.utils.environment.trainer_kwargs()``) pick up the configuration.
+``lightning_accel.trainer_kwargs()``) pick up the configuration.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _device_lines() -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from lightning_accel.strategies.devices import BACKEND_BY_TYPE
+    from lightning_accel.config.devices import BACKEND_BY_TYPE
 
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(cuda))
@@ -143,14 +143,15 @@ def _run_env(args: argparse.Namespace) -> int:
 
 
 def _run_config(args: argparse.Namespace) -> int:
-    from lightning_accel.config import write_basic_config
+    from lightning_accel.config import write_machine_config
+    from lightning_accel.utils.environment import default_config_file
 
     if not args.default:
         raise ValueError(
             "only `lightning-accel config --default` is implemented (no questionnaire): it writes a basic config "
             "you can edit; `accelerate config` writes the same files interactively"
         )
-    written = write_basic_config(args.mixed_precision, args.config_file)
+    written = write_machine_config(args.mixed_precision, args.config_file or default_config_file())
     if written is False:
         return 1
     print(f"Accelerate config written to {written}")
@@ -173,13 +174,14 @@ def _describe_options(options: dict[str, Any]) -> list[str]:
 
 
 def _run_trainer_args(args: argparse.Namespace) -> int:
-    from lightning_accel.config import _arguments, load_config
-    from lightning_accel.utils.environment import env_from_settings
+    from lightning_accel.config import load_config
+    from lightning_accel.strategies.arguments import settings_trainer_kwargs, strategy_entry, strategy_options
+    from lightning_accel.utils.environment import default_config_file, env_from_settings
 
-    config = load_config(args.config_file)
+    config = load_config(args.config_file or default_config_file())
     settings = config.settings()
-    kwargs = config.trainer_kwargs()
-    entry = _arguments.strategy_entry(settings)
+    kwargs = settings_trainer_kwargs(settings)
+    entry = strategy_entry(settings)
     source = args.config_file or "the default config"
     print(
         f"# {source}: {config.distributed_type.value}, {kwargs['devices']} process(es) per machine on "
@@ -190,7 +192,7 @@ def _run_trainer_args(args: argparse.Namespace) -> int:
         shown = f"{type(value).__name__}(...)  # {entry.name!r}" if key == "strategy" else f"{value!r},"
         print(f"    {key}={shown}")
     print(")")
-    options = _arguments.strategy_options(settings)
+    options = strategy_options(settings)
     if options:
         print("strategy arguments:")
         print("\n".join(_describe_options(options)))
@@ -288,8 +290,8 @@ def launch_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _data_parallel_on_cpu(settings: dict[str, Any]) -> None:
     """``--cpu`` turns a file's device data parallelism (``MULTI_GPU``, ``MULTI_NPU``, ...) into ``MULTI_CPU``."""
+    from lightning_accel.config.devices import BACKEND_BY_TYPE
     from lightning_accel.enums import DistributedType
-    from lightning_accel.strategies.devices import BACKEND_BY_TYPE
 
     dtype = settings.get("distributed_type")
     backend = BACKEND_BY_TYPE.get(dtype) if dtype is not None else None

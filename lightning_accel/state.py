@@ -115,7 +115,7 @@ class PartialState(_SharedState):
         self.fork_launched = parse_flag_from_env("FORK_LAUNCHED")
 
     def _join_launch(self, cpu: bool, init_kwargs: dict[str, Any]) -> None:
-        from lightning_accel.strategies.devices import backend_for_device, default_collective_backend
+        from lightning_accel.config.devices import backend_for_device, default_collective_backend
         from lightning_accel.utils.environment import torch_device_from_env
 
         environment = _launch_environment()

@@ -19,14 +19,13 @@ from lightning_accel.strategies import (
     AcceleratedSingleDeviceStrategy,
     FabricAcceleratedFSDPStrategy,
 )
+from lightning_accel.strategies.arguments import strategy_from_env, trainer_kwargs
 from lightning_accel.strategies.auto import AcceleratedAutoStrategy
 from lightning_accel.utils.environment import (
     accelerator_kwargs,
     env_from_settings,
     resolve_settings,
     settings_from_env,
-    strategy_from_env,
-    trainer_kwargs,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"

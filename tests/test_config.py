@@ -48,7 +48,7 @@ FSDP, DS, BNB = FullyShardedDataParallelPlugin, DeepSpeedPlugin, BnbQuantization
 DDP, MEGATRON = DistributedDataParallelKwargs, MegatronLMPlugin
 
 # The dataclasses that mirror Accelerate's (the package also exports its own config-file API next to them).
-OWN_CONFIG_API = {"KwargsHandler", "AccelerateConfig", "load_config", "write_basic_config"}
+OWN_CONFIG_API = {"KwargsHandler", "AccelerateConfig", "load_config", "write_machine_config"}
 MIRRORED = tuple(name for name in config_pkg.__all__ if name not in OWN_CONFIG_API)
 PAIRS = [(getattr(config_pkg, name), getattr(hf, name)) for name in MIRRORED]
 

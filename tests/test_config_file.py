@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_accel.config import AccelerateConfig, load_config, write_basic_config
+from lightning_accel import trainer_kwargs
+from lightning_accel.config import AccelerateConfig, load_config
 from lightning_accel.config._settings import PLUGIN_BY_TYPE
 from lightning_accel.enums import DistributedType, DynamoBackend, PrecisionType
 from lightning_accel.precision import FP8Precision
@@ -18,6 +19,7 @@ from lightning_accel.strategies import (
     AcceleratedFSDPStrategy,
     AcceleratedSingleDeviceStrategy,
 )
+from lightning_accel.utils.environment import accelerator_kwargs, default_config_file, write_basic_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
 CONFIG_FILES = [*sorted(FIXTURES.glob("*.yaml")), FIXTURES / "basic.json"]
@@ -155,9 +157,9 @@ def test_missing_file_raises_file_not_found(tmp_path: Path) -> None:
 def test_default_location_is_under_hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="lightning-accel config --default"):
-        load_config()
+        load_config(default_config_file())
     assert write_basic_config("fp16") == tmp_path / "accelerate" / "default_config.yaml"
-    assert load_config().mixed_precision == PrecisionType.FP16
+    assert load_config(default_config_file()).mixed_precision == PrecisionType.FP16
 
 
 def test_default_location_falls_back_to_xdg_cache_home_then_home() -> None:
@@ -191,7 +193,7 @@ def test_write_basic_config_rejects_unknown_precision(tmp_path: Path) -> None:
 
 
 def test_trainer_kwargs_for_multi_cpu() -> None:
-    kwargs = load_config(FIXTURES / "multi_cpu.yaml").trainer_kwargs()
+    kwargs = trainer_kwargs(config=load_config(FIXTURES / "multi_cpu.yaml"))
     strategy = kwargs.pop("strategy")
     assert kwargs == {"accelerator": "cpu", "devices": 2, "num_nodes": 1, "precision": "32-true"}
     assert isinstance(strategy, AcceleratedDDPStrategy)
@@ -199,7 +201,7 @@ def test_trainer_kwargs_for_multi_cpu() -> None:
 
 
 def test_trainer_kwargs_for_several_machines() -> None:
-    kwargs = load_config(FIXTURES / "multi_node.yaml").trainer_kwargs()
+    kwargs = trainer_kwargs(config=load_config(FIXTURES / "multi_node.yaml"))
     assert (kwargs["accelerator"], kwargs["devices"], kwargs["num_nodes"], kwargs["precision"]) == (
         "cuda",
         8,
@@ -210,7 +212,7 @@ def test_trainer_kwargs_for_several_machines() -> None:
 
 
 def test_trainer_kwargs_for_fsdp1() -> None:
-    kwargs = load_config(FIXTURES / "fsdp1.yaml").trainer_kwargs()
+    kwargs = trainer_kwargs(config=load_config(FIXTURES / "fsdp1.yaml"))
     assert (kwargs["accelerator"], kwargs["devices"], kwargs["precision"]) == ("auto", 4, "bf16-mixed")
     strategy = kwargs["strategy"]
     assert isinstance(strategy, AcceleratedFSDPStrategy)
@@ -225,7 +227,7 @@ def test_trainer_kwargs_for_fsdp1() -> None:
 
 
 def test_trainer_kwargs_for_fsdp2() -> None:
-    plugin = load_config(FIXTURES / "fsdp2.yaml").trainer_kwargs()["strategy"].fsdp_plugin
+    plugin = trainer_kwargs(config=load_config(FIXTURES / "fsdp2.yaml"))["strategy"].fsdp_plugin
     assert plugin.fsdp_version == 2
     assert plugin.reshard_after_forward is False
     assert plugin.activation_checkpointing is True
@@ -235,7 +237,7 @@ def test_trainer_kwargs_for_fsdp2() -> None:
 
 
 def test_trainer_kwargs_for_deepspeed_inline() -> None:
-    kwargs = load_config(FIXTURES / "deepspeed_inline.yaml").trainer_kwargs()
+    kwargs = trainer_kwargs(config=load_config(FIXTURES / "deepspeed_inline.yaml"))
     assert (kwargs["accelerator"], kwargs["devices"], kwargs["precision"]) == ("cpu", 2, "bf16-mixed")
     assert kwargs["accumulate_grad_batches"] == 2
     plugin = kwargs["strategy"].deepspeed_plugin
@@ -244,7 +246,7 @@ def test_trainer_kwargs_for_deepspeed_inline() -> None:
 
 
 def test_trainer_kwargs_for_deepspeed_config_file() -> None:
-    kwargs = load_config(FIXTURES / "deepspeed_file.yaml").trainer_kwargs()
+    kwargs = trainer_kwargs(config=load_config(FIXTURES / "deepspeed_file.yaml"))
     assert kwargs["precision"] == "32-true"
     plugin = kwargs["strategy"].deepspeed_plugin
     assert plugin.hf_ds_config == "ds_zero3.json"
@@ -253,13 +255,13 @@ def test_trainer_kwargs_for_deepspeed_config_file() -> None:
 
 
 def test_trainer_kwargs_for_one_process() -> None:
-    kwargs = load_config(FIXTURES / "no_distributed.yaml").trainer_kwargs()
+    kwargs = trainer_kwargs(config=load_config(FIXTURES / "no_distributed.yaml"))
     assert (kwargs["accelerator"], kwargs["devices"], kwargs["num_nodes"]) == ("cpu", 1, 1)
     assert isinstance(kwargs["strategy"], AcceleratedSingleDeviceStrategy)
 
 
 def test_trainer_kwargs_pass_dynamo_settings_to_the_strategy() -> None:
-    plugin = load_config(FIXTURES / "dynamo.yaml").trainer_kwargs()["strategy"]._family.dynamo_plugin
+    plugin = trainer_kwargs(config=load_config(FIXTURES / "dynamo.yaml"))["strategy"]._family.dynamo_plugin
     assert plugin.backend == DynamoBackend.INDUCTOR
     assert (plugin.mode, plugin.fullgraph, plugin.dynamic, plugin.use_regional_compilation) == (
         "reduce-overhead",
@@ -279,20 +281,20 @@ UNRUNNABLE = {
 @pytest.mark.parametrize(("name", "match"), UNRUNNABLE.values(), ids=UNRUNNABLE.keys())
 def test_trainer_kwargs_refuse_what_has_no_implementation_yet(name: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        load_config(FIXTURES / name).trainer_kwargs()
+        trainer_kwargs(config=load_config(FIXTURES / name))
 
 
 def test_fp8_file_builds_the_fp8_plugin_of_its_backend(tmp_path: Path) -> None:
     # Transformer Engine is not installed in CI: building its plugin names the missing package.
     with pytest.raises(ModuleNotFoundError, match=r"backend='te' needs the `transformer_engine` package"):
-        load_config(FIXTURES / "fp8_te.yaml").trainer_kwargs()
+        trainer_kwargs(config=load_config(FIXTURES / "fp8_te.yaml"))
     ao = tmp_path / "fp8_ao.yaml"
     ao.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\nfp8_config:\n  backend: AO\n")
     if importlib.util.find_spec("torchao") is None:
         with pytest.raises(ModuleNotFoundError, match=r"backend='ao' needs the `torchao` package"):
-            load_config(ao).trainer_kwargs()
+            trainer_kwargs(config=load_config(ao))
     else:  # torchao is in the test extra
-        (plugin,) = load_config(ao).trainer_kwargs()["plugins"]
+        (plugin,) = trainer_kwargs(config=load_config(ao))["plugins"]
         assert isinstance(plugin, FP8Precision)
         assert plugin.backend == "ao"
     msamp = tmp_path / "fp8_msamp.yaml"
@@ -300,7 +302,7 @@ def test_fp8_file_builds_the_fp8_plugin_of_its_backend(tmp_path: Path) -> None:
         "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\nfp8_config:\n  backend: MSAMP\n"
     )
     with pytest.raises(ValueError, match=r"fp8_config backend 'MSAMP' is not supported"):
-        load_config(msamp).trainer_kwargs()
+        trainer_kwargs(config=load_config(msamp))
 
 
 def test_te_recipe_values_come_from_the_file() -> None:
@@ -333,28 +335,31 @@ CONTRADICTIONS = {
 @pytest.mark.parametrize(("text", "match"), CONTRADICTIONS.values(), ids=CONTRADICTIONS.keys())
 def test_trainer_kwargs_explain_contradictions(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        load_config(_write(tmp_path, text)).trainer_kwargs()
+        trainer_kwargs(config=load_config(_write(tmp_path, text)))
 
 
 # --------------------------------------------------------------------------------------- Accelerator arguments
 
 
 def test_accelerator_kwargs_carry_precision_cpu_and_the_plugins() -> None:
-    assert load_config(FIXTURES / "no_distributed.yaml").accelerator_kwargs() == {"mixed_precision": "no", "cpu": True}
-    fsdp = load_config(FIXTURES / "fsdp2.yaml").accelerator_kwargs()
+    assert accelerator_kwargs(config=load_config(FIXTURES / "no_distributed.yaml")) == {
+        "mixed_precision": "no",
+        "cpu": True,
+    }
+    fsdp = accelerator_kwargs(config=load_config(FIXTURES / "fsdp2.yaml"))
     assert (fsdp["mixed_precision"], fsdp["cpu"], fsdp["fsdp_plugin"].fsdp_version) == ("no", False, 2)
-    deepspeed = load_config(FIXTURES / "deepspeed_inline.yaml").accelerator_kwargs()
+    deepspeed = accelerator_kwargs(config=load_config(FIXTURES / "deepspeed_inline.yaml"))
     assert (deepspeed["mixed_precision"], deepspeed["cpu"], deepspeed["gradient_accumulation_steps"]) == (
         "bf16",
         True,
         2,
     )
     assert deepspeed["deepspeed_plugin"].zero_stage == 2
-    dynamo = load_config(FIXTURES / "dynamo.yaml").accelerator_kwargs()
+    dynamo = accelerator_kwargs(config=load_config(FIXTURES / "dynamo.yaml"))
     assert dynamo["dynamo_plugin"].backend == DynamoBackend.INDUCTOR
-    megatron = load_config(FIXTURES / "megatron.yaml").accelerator_kwargs()["megatron_lm_plugin"]
+    megatron = accelerator_kwargs(config=load_config(FIXTURES / "megatron.yaml"))["megatron_lm_plugin"]
     assert (megatron.tp_degree, megatron.pp_degree, megatron.num_micro_batches) == (2, 2, 2)
-    assert load_config(FIXTURES / "fp8_te.yaml").accelerator_kwargs()["mixed_precision"] == "fp8"
+    assert accelerator_kwargs(config=load_config(FIXTURES / "fp8_te.yaml"))["mixed_precision"] == "fp8"
 
 
 def test_config_object_is_plain_data(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Build the Lightning ``Fabric`` an ``Accelerator`` runs on: the launch, the strategy and the precision plugin.
 
 Nothing here branches on the distributed type: the type comes from the process count, the device table
-(:data:`~lightning_accel.strategies.devices.BACKEND_BY_DEVICE`) or the plugin given, and :func:`strategy_for` turns
+(:data:`~lightning_accel.config.devices.BACKEND_BY_DEVICE`) or the plugin given, and :func:`strategy_for` turns
 it into the strategy object that does the work.
 """
 
@@ -28,12 +28,12 @@ from lightning_accel.config import (
     KwargsHandler,
 )
 from lightning_accel.config._settings import PLUGIN_BY_TYPE
+from lightning_accel.config.devices import backend_for_device
 from lightning_accel.enums import DistributedType
 from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
 from lightning_accel.strategies import entry_for, strategy_for
-from lightning_accel.strategies.devices import backend_for_device
 from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
 from lightning_accel.utils.environment import torch_device_from_env
 

@@ -5,7 +5,7 @@ They are plain data: they validate their fields in ``__post_init__`` and never r
 
 from lightning_accel.config.deepspeed import DeepSpeedPlugin
 from lightning_accel.config.dynamo import TorchDynamoPlugin
-from lightning_accel.config.file import AccelerateConfig, load_config, write_basic_config
+from lightning_accel.config.file import AccelerateConfig, load_config, write_machine_config
 from lightning_accel.config.fsdp import FullyShardedDataParallelPlugin
 from lightning_accel.config.kwargs import (
     AutocastKwargs,
@@ -44,5 +44,5 @@ __all__ = [
     "TorchDynamoPlugin",
     "TorchTensorParallelConfig",
     "load_config",
-    "write_basic_config",
+    "write_machine_config",
 ]

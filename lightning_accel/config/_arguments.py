@@ -1,24 +1,20 @@
-"""Flat settings (see :mod:`lightning_accel.config._settings`) to ``lightning.Trainer`` and ``Accelerator`` arguments.
+"""What flat settings (see :mod:`lightning_accel.config._settings`) say, as data.
 
-Strategies come from the registry (:func:`lightning_accel.strategies.strategy_for`), which also raises the error for
-types that have no strategy yet. A ``distributed_type`` of ``None`` means "data parallel on whatever devices the
-accelerator gives" (``acc_ddp``): the environment of a multi-process launch that names no type.
+The Trainer precision string, the processes per node, the accelerator name and the ``Accelerator``'s arguments.
+Building strategies and precision plugins from settings is a layer above, in
+:mod:`lightning_accel.strategies.arguments`. A ``distributed_type`` of ``None`` means "data parallel on whatever
+devices the accelerator gives" (``acc_ddp``): the environment of a multi-process launch that names no type.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, build_dynamo_plugin, section_settings
 from lightning_accel.enums import DistributedType, PrecisionType
 
-if TYPE_CHECKING:
-    from lightning_accel.strategies.registry import StrategyEntry
-
 _LIGHTNING_PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
-_DATA_PARALLEL_ON_ANY_DEVICE = "acc_ddp"
 
 
 def lightning_precision(mixed_precision: str | None) -> str | None:
@@ -37,22 +33,6 @@ def lightning_precision(mixed_precision: str | None) -> str | None:
     if value not in _LIGHTNING_PRECISION:
         raise ValueError(f"mixed_precision must be one of {PrecisionType.list()}, got {mixed_precision!r}")
     return _LIGHTNING_PRECISION[value]
-
-
-def precision_plugins(settings: Mapping[str, Any]) -> list[Any]:
-    """The Trainer ``plugins`` a precision needs: an ``FP8Precision`` built from ``fp8_config`` for ``fp8``, else none.
-
-    Raises:
-        ValueError: For the MS-AMP backend, which lightning_accel does not run.
-        ModuleNotFoundError: If the backend's package (torchao or transformer_engine) is not installed.
-
-    """
-    if lightning_precision(settings.get("mixed_precision")) is not None:
-        return []
-    from lightning_accel.precision import FP8Precision
-
-    backend, recipe = fp8_recipe(settings)
-    return [FP8Precision(backend, recipe)]
 
 
 def fp8_recipe(settings: Mapping[str, Any]) -> tuple[Literal["ao", "te"], Any]:
@@ -124,7 +104,7 @@ def accelerator_name(settings: Mapping[str, Any]) -> str:
         ValueError: If ``use_cpu`` is set with a type that trains on another device (``MULTI_GPU``, ...).
 
     """
-    from lightning_accel.strategies.devices import BACKEND_BY_TYPE
+    from lightning_accel.config.devices import BACKEND_BY_TYPE
 
     dtype = distributed_type(settings)
     backend = BACKEND_BY_TYPE.get(dtype) if dtype is not None else None
@@ -151,101 +131,6 @@ def check_supported(settings: Mapping[str, Any]) -> None:
             f"parallelism_config ({', '.join(given)}) is not supported by lightning_accel yet: no strategy builds "
             "Accelerate's ParallelismConfig device mesh; remove the section"
         )
-
-
-def strategy_entry(settings: Mapping[str, Any]) -> StrategyEntry:
-    """The registry entry of the settings' strategy (``acc_ddp`` for a ``None`` type).
-
-    Raises:
-        ValueError: If lightning_accel has no strategy for the type yet.
-
-    """
-    from lightning_accel.strategies.registry import entries, entry_for
-
-    dtype = distributed_type(settings)
-    if dtype is None:
-        return next(e for e in entries() if e.name == _DATA_PARALLEL_ON_ANY_DEVICE)
-    return entry_for(dtype)
-
-
-def strategy_options(settings: Mapping[str, Any], *, fabric: bool = False, **options: Any) -> dict[str, Any]:
-    """The arguments the settings give the strategy: the type's plugin and, when compiling, ``dynamo_plugin``.
-
-    ``options`` are kept as given and win over the settings.
-
-    Raises:
-        ValueError: See :func:`build_strategy`.
-
-    """
-    check_supported(settings)
-    entry = strategy_entry(settings)  # the "no strategy for this type yet" error comes before any plugin is built
-    dtype = distributed_type(settings)
-    plugin = PLUGIN_BY_TYPE.get(dtype) if dtype is not None else None
-    if plugin is not None and plugin.option not in options:
-        options[plugin.option] = plugin.build(settings)
-    _add_dynamo_plugin(settings, entry.name, entry.fabric_cls if fabric else entry.trainer_cls, options)
-    return options
-
-
-def build_strategy(settings: Mapping[str, Any], *, fabric: bool = False, **options: Any) -> Any:
-    """The Trainer (or Fabric) strategy the settings describe, configured with :func:`strategy_options`.
-
-    Args:
-        settings: Flat settings.
-        fabric: Return the Fabric strategy.
-        **options: Strategy arguments that take precedence over the settings (an explicit ``fsdp_plugin``, ...).
-
-    Raises:
-        ValueError: If the type has no strategy yet, the strategy cannot apply the dynamo settings, or the settings
-            are unsupported or invalid.
-
-    """
-    from lightning_accel.strategies import strategy_for
-
-    options = strategy_options(settings, fabric=fabric, **options)
-    dtype = distributed_type(settings)
-    if dtype is not None:
-        return strategy_for(dtype, fabric=fabric, **options)
-    entry = strategy_entry(settings)
-    return (entry.fabric_cls if fabric else entry.trainer_cls)(**entry.params(**options))
-
-
-def _add_dynamo_plugin(settings: Mapping[str, Any], name: str, cls: type, options: dict[str, Any]) -> None:
-    backend = settings.get("dynamo_backend", "NO")
-    if backend == "NO" or "dynamo_plugin" in options:
-        return
-    if "dynamo_plugin" not in inspect.signature(cls).parameters:
-        raise ValueError(
-            f"dynamo_config asks for torch.compile (backend {backend!r}), but {name} does not apply it yet; remove "
-            "dynamo_config (or set dynamo_backend: 'NO') and call torch.compile on your model yourself"
-        )
-    options["dynamo_plugin"] = build_dynamo_plugin(settings)
-
-
-def trainer_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """``lightning.Trainer`` arguments: accelerator, devices, num_nodes, strategy, precision (and accumulation).
-
-    Raises:
-        ValueError: See :func:`lightning_precision`, :func:`processes_per_node`, :func:`accelerator_name` and
-            :func:`build_strategy`.
-
-    """
-    precision = lightning_precision(settings.get("mixed_precision"))  # checked before any strategy is built
-    plugins = precision_plugins(settings)
-    kwargs: dict[str, Any] = {
-        "accelerator": accelerator_name(settings),
-        "devices": processes_per_node(settings),
-        "num_nodes": settings.get("num_machines", 1),
-        "strategy": build_strategy(settings),
-    }
-    if plugins:
-        kwargs["plugins"] = plugins
-    else:
-        kwargs["precision"] = precision
-    accumulation = settings.get("gradient_accumulation_steps")
-    if isinstance(accumulation, int):
-        kwargs["accumulate_grad_batches"] = accumulation
-    return kwargs
 
 
 def accelerator_kwargs(settings: Mapping[str, Any], plugins: Mapping[str, Any] | None = None) -> dict[str, Any]:

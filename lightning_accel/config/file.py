@@ -1,9 +1,9 @@
 """Accelerate config files: read them into a validated :class:`AccelerateConfig`, write basic ones.
 
 The files are the YAML (or JSON) that ``accelerate config`` and ``write_basic_config`` write, with Accelerate 1.15's
-schema. :meth:`AccelerateConfig.trainer_kwargs` turns a file into ``lightning.Trainer`` arguments and
-:meth:`AccelerateConfig.accelerator_kwargs` into ``Accelerator`` arguments. Both read the file alone; to let the
-variables ``lightning-accel launch`` sets take precedence, use :mod:`lightning_accel.utils.environment`.
+schema. This module is data only: :func:`lightning_accel.trainer_kwargs` (``config=``) turns a file into
+``lightning.Trainer`` arguments and :func:`lightning_accel.utils.environment.accelerator_kwargs` into ``Accelerator``
+arguments, with the variables ``lightning-accel launch`` sets taking precedence.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 import yaml
 
-from lightning_accel.config import _arguments
 from lightning_accel.config._settings import (
     BY_NAME,
     PLUGIN_BY_TYPE,
@@ -29,9 +28,14 @@ from lightning_accel.config._settings import (
     parse_str,
     setting_for,
 )
+from lightning_accel.config.parallelism import (
+    DeepSpeedSequenceParallelConfig,
+    ParallelismConfig,
+    TorchContextParallelConfig,
+)
 from lightning_accel.enums import ComputeEnvironment, DistributedType, PrecisionType
 
-__all__ = ["AccelerateConfig", "load_config", "write_basic_config"]
+__all__ = ["AccelerateConfig", "load_config", "parallelism_config_from_section", "write_machine_config"]
 
 # FSDP options `accelerate launch` fills in when a file leaves them out (its command-line defaults).
 _FSDP_LAUNCH_DEFAULTS = {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": True}
@@ -80,7 +84,8 @@ class AccelerateConfig:
         dynamo_config: ``dynamo_*`` options for ``torch.compile``.
         fp8_config: FP8 recipe options.
         megatron_lm_config: ``megatron_lm_*`` options.
-        parallelism_config: ``parallelism_config_*`` options (not supported by lightning_accel's strategies yet).
+        parallelism_config: ``parallelism_config_*`` options (``accelerate config`` writes them with FSDP2);
+            :meth:`build_parallelism_config` turns them into a :class:`ParallelismConfig`.
         mpirun_config: ``mpirun_hostfile``.
         tpu_name: TPU pod name.
         tpu_zone: TPU pod zone.
@@ -133,6 +138,7 @@ class AccelerateConfig:
         self._check_deepspeed_file()
         self._check_fsdp()
         self._check_active_plugin()
+        self._check_parallelism()
 
     def _parse_top_level(self) -> None:
         known = [e.value for e in ComputeEnvironment]
@@ -211,6 +217,21 @@ class AccelerateConfig:
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise ValueError(f"{entry.section}: {err}") from None
 
+    def _check_parallelism(self) -> None:
+        try:
+            self.build_parallelism_config()
+        except ValueError as err:
+            raise ValueError(f"parallelism_config: {err}") from None
+
+    def build_parallelism_config(self) -> ParallelismConfig | None:
+        """The file's ``parallelism_config`` section as a :class:`ParallelismConfig` (``None`` without one).
+
+        ``parallelism_config_cp_comm_strategy`` becomes the ``cp_handler`` and the ``parallelism_config_sp_seq_*`` /
+        ``sp_attn_implementation`` keys the ``sp_handler``, as ``accelerate launch --use_parallelism_config`` passes
+        them on; sizes the file leaves out are 1. Pass the result to ``acc_parallel``.
+        """
+        return parallelism_config_from_section(self.parallelism_config)
+
     @classmethod
     def from_dict(cls, data: Any) -> AccelerateConfig:
         """Validate the mapping a config file holds.
@@ -274,24 +295,6 @@ class AccelerateConfig:
                 result.setdefault(name, value)
         return result
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        """``lightning.Trainer`` arguments for this file: accelerator, devices, num_nodes, strategy, precision.
-
-        The strategy gets the plugin of the type's section and, when ``dynamo_config`` compiles, a
-        ``TorchDynamoPlugin``; ``accumulate_grad_batches`` is added when the file sets ``gradient_accumulation_steps``.
-
-        Raises:
-            ValueError: If lightning_accel has no strategy for the file's type yet (``XLA``, ``MEGATRON_LM``), the
-                file asks for fp8, a ``parallelism_config`` or compilation the strategy cannot apply, or
-                ``num_processes`` is ``-1``.
-
-        """
-        return _arguments.trainer_kwargs(self.settings())
-
-    def accelerator_kwargs(self) -> dict[str, Any]:
-        """``Accelerator`` arguments for this file (``mixed_precision``, ``cpu``, the plugins, ...)."""
-        return _arguments.accelerator_kwargs(self.settings())
-
 
 def _json_text(config: AccelerateConfig) -> str:
     """The JSON Accelerate writes: sorted keys, two-space indent, a final newline."""
@@ -318,20 +321,43 @@ def _fsdp_launch_defaults(section: dict[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def default_config_file() -> Path:
-    """Accelerate's default config path, ``$HF_HOME/accelerate/default_config.yaml``."""
-    from lightning_accel.utils.environment import default_config_file as from_environment
-
-    return from_environment()
+_PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+_SP_HANDLER_KEYS = ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")
 
 
-def load_config(path: str | os.PathLike[str] | None = None) -> AccelerateConfig:
+def parallelism_config_from_section(section: dict[str, Any] | None) -> ParallelismConfig | None:
+    """A config file's ``parallelism_config`` section (keys ``parallelism_config_*``) as a :class:`ParallelismConfig`.
+
+    Args:
+        section: The section as the file holds it; empty or ``None`` means the file has none.
+
+    Returns:
+        The config, or ``None`` without a section. Sizes the section leaves out are 1.
+
+    Raises:
+        ValueError: If the values contradict each other (``ParallelismConfig``'s own checks).
+
+    """
+    if not section:
+        return None
+    values = {str(key).removeprefix("parallelism_config_"): value for key, value in section.items()}
+    kwargs: dict[str, Any] = {
+        name: values[name] for name in (*_PARALLELISM_SIZES, "cp_backend", "sp_backend") if name in values
+    }
+    if "cp_comm_strategy" in values:
+        kwargs["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=values["cp_comm_strategy"])
+    sp_options = {name: values[name] for name in _SP_HANDLER_KEYS if name in values}
+    if sp_options:
+        kwargs["sp_handler"] = DeepSpeedSequenceParallelConfig(**sp_options)
+    return ParallelismConfig(**kwargs)
+
+
+def load_config(path: str | os.PathLike[str]) -> AccelerateConfig:
     """Read an Accelerate config file.
 
     Args:
         path: The YAML or JSON file (JSON when it ends in ``.json``; YAML, which also reads JSON, otherwise).
-            ``None`` reads Accelerate's default file, ``$HF_HOME/accelerate/default_config.yaml`` (``HF_HOME``
-            defaulting to ``$XDG_CACHE_HOME/huggingface``, then ``~/.cache/huggingface``).
+            Accelerate's default file is :func:`lightning_accel.utils.environment.default_config_file`.
 
     Returns:
         The validated config.
@@ -342,10 +368,12 @@ def load_config(path: str | os.PathLike[str] | None = None) -> AccelerateConfig:
             values; the message names the file and the key.
 
     """
-    file = Path(path) if path is not None else default_config_file()
+    file = Path(path)
     if not file.is_file():
-        hint = "pass an existing file" if path is not None else "run `lightning-accel config --default` to create it"
-        raise FileNotFoundError(f"Accelerate config file {str(file)!r} does not exist; {hint}")
+        raise FileNotFoundError(
+            f"Accelerate config file {str(file)!r} does not exist; pass an existing file (`lightning-accel config"
+            " --default` writes Accelerate's default one)"
+        )
     text = file.read_text(encoding="utf-8")
     try:
         data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
@@ -357,9 +385,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> AccelerateConfig:
         raise ValueError(f"{file}: {err}") from None
 
 
-def write_basic_config(
-    mixed_precision: str = "no", save_location: str | os.PathLike[str] | None = None
-) -> Path | Literal[False]:
+def write_machine_config(mixed_precision: str, save_location: str | os.PathLike[str]) -> Path | Literal[False]:
     """Write a config for this machine: every local accelerator, or one CPU process; never overwrites.
 
     The file is JSON (even under the default ``.yaml`` name), with the keys and values Accelerate's
@@ -367,7 +393,8 @@ def write_basic_config(
 
     Args:
         mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
-        save_location: Where to write; ``None`` means Accelerate's default file (see :func:`load_config`).
+        save_location: Where to write (:func:`lightning_accel.utils.write_basic_config` defaults it to Accelerate's
+            default file).
 
     Returns:
         The path written, or ``False`` when a file already exists there (a message says so).
@@ -379,7 +406,7 @@ def write_basic_config(
     precision = str(mixed_precision).lower()
     if precision not in PrecisionType:
         raise ValueError(f"mixed_precision must be one of {PrecisionType.list()}, got {mixed_precision!r}")
-    path = Path(save_location) if save_location is not None else default_config_file()
+    path = Path(save_location)
     if path.exists():
         print(f"Configuration already exists at {path}, will not override it; pass another save_location.")
         return False
@@ -402,7 +429,7 @@ def _local_accelerators() -> tuple[DistributedType, int] | None:
     """The first kind of accelerator this machine has (CUDA first) and how many, or ``None`` for CPU only."""
     import torch
 
-    from lightning_accel.strategies.devices import BACKEND_BY_TYPE
+    from lightning_accel.config.devices import BACKEND_BY_TYPE
 
     for backend in BACKEND_BY_TYPE.values():
         if backend.device_type == "cpu" or backend.extension_missing():

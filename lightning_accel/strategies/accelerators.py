@@ -14,7 +14,7 @@ from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.pytorch.accelerators import Accelerator
 from typing_extensions import override
 
-from lightning_accel.strategies.devices import BACKEND_BY_DEVICE
+from lightning_accel.config.devices import BACKEND_BY_DEVICE
 
 
 class TorchDeviceAccelerator(Accelerator):

@@ -8,7 +8,7 @@ In a process started by ``lightning-accel launch`` (or ``accelerate launch``), `
 
 The name picks the strategy only: ``accelerator``, ``devices``, ``num_nodes`` and ``precision`` stay ``Trainer``
 arguments (Lightning sets them on the strategy after building it), so pass them too, or take them all from
-``lightning_accel.utils.environment.trainer_kwargs()``.
+``lightning_accel.trainer_kwargs()``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class AcceleratedAutoStrategy(Strategy):
         environ: Mapping[str, str] | None = None,
         **options: Any,
     ) -> Strategy:
-        """Return the strategy :func:`~lightning_accel.utils.environment.strategy_from_env` builds."""
-        from lightning_accel.utils.environment import strategy_from_env
+        """Return the strategy :func:`~lightning_accel.strategies.arguments.strategy_from_env` builds."""
+        from lightning_accel.strategies.arguments import strategy_from_env
 
         return strategy_from_env(fabric=False, config=config_file, environ=environ, **options)
 
@@ -65,8 +65,8 @@ class FabricAcceleratedAutoStrategy(FabricStrategy):
         environ: Mapping[str, str] | None = None,
         **options: Any,
     ) -> FabricStrategy:
-        """Return the Fabric strategy :func:`~lightning_accel.utils.environment.strategy_from_env` builds."""
-        from lightning_accel.utils.environment import strategy_from_env
+        """Return the Fabric strategy :func:`~lightning_accel.strategies.arguments.strategy_from_env` builds."""
+        from lightning_accel.strategies.arguments import strategy_from_env
 
         return strategy_from_env(fabric=True, config=config_file, environ=environ, **options)
 

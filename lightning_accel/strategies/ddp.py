@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
+from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp_core import DDPFamily, DDPFamilyAdapter
-from lightning_accel.strategies.devices import BACKEND_BY_TYPE
 from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.registry import StrategyEntry
 

@@ -15,14 +15,14 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
-from lightning_accel.enums import DDPCommunicationHookType, DistributedType
-from lightning_accel.strategies.devices import (
+from lightning_accel.config.devices import (
     DeviceBackend,
     backend_for_device,
     backend_for_type,
     default_collective_backend,
     import_collective_backend,
 )
+from lightning_accel.enums import DDPCommunicationHookType, DistributedType
 from lightning_accel.strategies.precision_bridge import bind_precision
 from lightning_accel.utils.compile import apply_dynamo
 

@@ -20,8 +20,8 @@ import torch
 from torch.nn import Module
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
+from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.devices import BACKEND_BY_TYPE
 from lightning_accel.strategies.fsdp_core import FSDPFamily
 
 if TYPE_CHECKING:

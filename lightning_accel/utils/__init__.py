@@ -69,7 +69,12 @@ from lightning_accel.utils.constants import (
     WEIGHTS_PATTERN_NAME,
 )
 from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler, get_active_deepspeed_plugin
-from lightning_accel.utils.environment import convert_dict_to_env_variables, parse_flag_from_env, str_to_bool
+from lightning_accel.utils.environment import (
+    convert_dict_to_env_variables,
+    parse_flag_from_env,
+    str_to_bool,
+    write_basic_config,
+)
 from lightning_accel.utils.environment_patching import (
     clear_environment,
     patch_environment,
@@ -421,4 +426,5 @@ __all__ = [
     "synchronize_rng_states",
     "torchao_required",
     "wait_for_everyone",
+    "write_basic_config",
 ]

@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -45,9 +45,8 @@ __all__ = [
     "resolve_settings",
     "settings_from_env",
     "str_to_bool",
-    "strategy_from_env",
     "torch_device_from_env",
-    "trainer_kwargs",
+    "write_basic_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -167,6 +166,18 @@ def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
     env = _environ(environ)
     home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
     return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
+
+
+def write_basic_config(
+    mixed_precision: str = "no", save_location: str | os.PathLike[str] | None = None
+) -> Path | Literal[False]:
+    """Accelerate's ``write_basic_config``: a config for this machine, by default at :func:`default_config_file`.
+
+    See :func:`lightning_accel.config.write_machine_config` (it never overwrites a file; ``False`` when one exists).
+    """
+    from lightning_accel.config.file import write_machine_config
+
+    return write_machine_config(mixed_precision, default_config_file() if save_location is None else save_location)
 
 
 def cpu_threads_per_process(environ: Mapping[str, str] | None = None) -> int:
@@ -302,32 +313,6 @@ def _as_config(config: AccelerateConfig | str | os.PathLike[str]) -> AccelerateC
     return config if isinstance(config, AccelerateConfig) else load_config(config)
 
 
-def trainer_kwargs(
-    *,
-    config: AccelerateConfig | str | os.PathLike[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    **explicit: Any,
-) -> dict[str, Any]:
-    """``lightning.Trainer`` arguments for a run started by ``lightning-accel launch`` (or ``accelerate launch``).
-
-    ``L.Trainer(**trainer_kwargs(), max_epochs=3)`` trains with the launcher's processes, strategy and precision.
-
-    Args:
-        config: An optional config file (or its path) below the environment.
-        environ: The environment to read (default ``os.environ``).
-        **explicit: Settings that win over both, by flat name (``mixed_precision="bf16"``, ...).
-
-    Returns:
-        accelerator, devices, num_nodes, strategy and precision (and accumulate_grad_batches when the launcher set
-        ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``).
-
-    Raises:
-        ValueError: For invalid settings or types without a strategy yet.
-
-    """
-    return _arguments.trainer_kwargs(resolve_settings(explicit, config=config, environ=environ))
-
-
 def accelerator_kwargs(
     explicit: Mapping[str, Any] | None = None,
     *,
@@ -355,33 +340,6 @@ def accelerator_kwargs(
         if option in plugins:
             flat["distributed_type"] = dtype
     return _arguments.accelerator_kwargs(resolve_settings(flat, config=config, environ=environ), plugins)
-
-
-def strategy_from_env(
-    *,
-    fabric: bool = False,
-    config: AccelerateConfig | str | os.PathLike[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    **options: Any,
-) -> Any:
-    """The strategy the environment describes (what ``strategy="acc_auto"`` builds).
-
-    Args:
-        fabric: Return the Fabric strategy instead of the Trainer one.
-        config: An optional config file (or its path) below the environment.
-        environ: The environment to read (default ``os.environ``).
-        **options: Strategy arguments that win over the environment; a plugin (``fsdp_plugin=...``,
-            ``deepspeed_plugin=...``) also selects its type.
-
-    Raises:
-        ValueError: For invalid variables or types without a strategy yet.
-
-    """
-    given = {name: value for name, value in options.items() if value is not None}
-    implied = [dtype for option, dtype in _TYPE_BY_PLUGIN_OPTION.items() if option in given]
-    flat = {"distributed_type": implied[0]} if implied else {}
-    settings = resolve_settings(flat, config=config, environ=environ)
-    return _arguments.build_strategy(settings, fabric=fabric, **given)
 
 
 def _env_text(value: Any) -> str:

@@ -1,6 +1,6 @@
 """A Lightning script for ``lightning-accel launch``: trains a few steps and reports what each process saw.
 
-``--trainer kwargs`` builds ``L.Trainer(**lightning_accel.utils.environment.trainer_kwargs())``; ``--trainer auto``
+``--trainer kwargs`` builds ``L.Trainer(**lightning_accel.trainer_kwargs())``; ``--trainer auto``
 builds ``L.Trainer(strategy="acc_auto", accelerator="cpu", devices=LOCAL_WORLD_SIZE, num_nodes=...)``. Each process
 writes ``rank<global rank>.json`` (world size, ranks, strategy, FSDP facts) into ``--out`` and, as
 ``ProjectConfiguration(save_on_each_node=...)`` prescribes, a marker file per node into ``each_node/`` (written where
@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_accel  # noqa: F401  (registers the acc_* names)
+from lightning_accel import trainer_kwargs
 from lightning_accel.config import ProjectConfiguration
-from lightning_accel.utils.environment import trainer_kwargs
 
 
 class Regressor(L.LightningModule):
