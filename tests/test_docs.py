@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
 
 # The public modules whose ``__all__`` the API reference must cover (import paths that stay stable; modules named
-# ``_*`` are private and may move). ``strategies.deepspeed``, ``utils.environment`` and ``utils.deepspeed`` are public
-# paths the user guide imports from, holding names their packages do not re-export.
+# ``_*`` are private and may move). ``strategies.deepspeed``, ``utils.environment``, ``utils.deepspeed`` and
+# ``utils.bnb`` are public paths (Accelerate's, or the user guide's) holding names their packages do not re-export.
 PUBLIC_MODULES = (
     "lightning_accel",
     "lightning_accel.strategies",
@@ -48,6 +48,7 @@ PUBLIC_MODULES = (
     "lightning_accel.utils",
     "lightning_accel.utils.environment",
     "lightning_accel.utils.deepspeed",
+    "lightning_accel.utils.bnb",
     "lightning_accel.big_modeling",
     "lightning_accel.hooks",
     "lightning_accel.launchers",
