@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import lightning_accel
+from lightning_accel.config.file import AccelerateConfig, load_config, parallelism_config_from_section
 from lightning_accel.strategies import AcceleratedParallelStrategy, FabricAcceleratedParallelStrategy
 from lightning_accel.strategies.parallel_core import ParallelFamily
 from lightning_accel.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
@@ -193,3 +194,44 @@ def test_ranks_are_zero_before_the_mesh_exists() -> None:
     assert strategy.context_parallel_rank == 0
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
     assert strategy.fsdp_plugin.fsdp_version == 2
+
+
+FILES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+
+
+def test_config_file_section_becomes_a_parallelism_config() -> None:
+    built = load_config(FILES / "parallelism.yaml").build_parallelism_config()
+    assert isinstance(built, ParallelismConfig)
+    assert (built.dp_replicate_size, built.dp_shard_size, built.tp_size, built.cp_size) == (1, 2, 2, 1)
+    assert built._get_mesh() == (("dp_shard", "tp"), (2, 2))
+    assert load_config(FILES / "parallelism.yaml").parallelism_config == {  # the section itself stays data
+        "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_tp_size": 2,
+    }
+
+
+def test_config_file_context_parallel_keys_fill_the_handler() -> None:
+    section = {
+        "parallelism_config_dp_replicate_size": 2,
+        "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_cp_size": 2,
+        "parallelism_config_cp_comm_strategy": "alltoall",
+    }
+    built = AccelerateConfig.from_dict(
+        {
+            "distributed_type": "FSDP",
+            "num_processes": 8,
+            "fsdp_config": {"fsdp_version": 2},
+            "parallelism_config": section,
+        }
+    ).build_parallelism_config()
+    assert built is not None and built.cp_handler is not None
+    assert built.cp_handler.cp_comm_strategy == "alltoall"
+    assert built._get_mesh() == (("dp_replicate", "dp_shard", "cp"), (2, 2, 2))
+    assert parallelism_config_from_section({}) is None
+
+
+def test_config_file_contradictions_are_refused_when_read() -> None:
+    section = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_tp_size": 2}
+    with pytest.raises(ValueError, match=r"^parallelism_config: Tensor/context parallelism does not compose"):
+        AccelerateConfig.from_dict({"distributed_type": "FSDP", "num_processes": 4, "parallelism_config": section})
