@@ -175,6 +175,7 @@ from lightning_accel.utils.modeling import (
     named_module_tensors,
     retie_parameters,
     set_module_tensor_to_device,
+    verify_device_map,
 )
 from lightning_accel.utils.offload import (
     OffloadedWeightsLoader,
@@ -425,6 +426,7 @@ __all__ = [
     "synchronize_rng_state",
     "synchronize_rng_states",
     "torchao_required",
+    "verify_device_map",
     "wait_for_everyone",
     "write_basic_config",
 ]

@@ -90,7 +90,17 @@ __all__ = [
     "named_module_tensors",
     "retie_parameters",
     "set_module_tensor_to_device",
+    "verify_device_map",
 ]
+
+
+def verify_device_map(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module in it) was dispatched with a device map of more than one entry.
+
+    Accelerate's ``Accelerator.verify_device_map``: such a model is spread over devices (or offloaded) by hooks, so
+    it can run inference but is refused for training.
+    """
+    return any(len(getattr(module, "hf_device_map", None) or {}) > 1 for module in model.modules())
 
 
 def is_peft_model(model: nn.Module) -> bool:
