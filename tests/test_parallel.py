@@ -18,7 +18,12 @@ import lightning_accel
 from lightning_accel.config.file import AccelerateConfig, load_config, parallelism_config_from_section
 from lightning_accel.strategies import AcceleratedParallelStrategy, FabricAcceleratedParallelStrategy
 from lightning_accel.strategies.parallel_core import ParallelFamily
-from lightning_accel.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+from lightning_accel.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    ParallelismConfig,
+    load_full_state_dict,
+)
 from tests.helpers import load_rank_results, torchrun
 
 Results = dict[str, list[dict[str, Any]]]
@@ -125,6 +130,26 @@ def test_fabric_checkpoint_round_trip(layout: str, variant: str, request: pytest
         assert result["momentum_restored"]
         for key, value in result["weights"].items():
             assert torch.equal(value, result["reloaded_weights"][key]), key
+
+
+def test_checkpoints_load_into_a_plain_module(two: tuple[Results, Path]) -> None:
+    """The sharded Trainer directory and the full Fabric file both hold the full weights of the plain MLP."""
+    from tests.scripts.parallel_parity import MLP
+
+    results, out = two
+    for name, prefix, key, expected in (
+        ("tp_resume.ckpt", "net.", "state_dict", None),
+        ("fabric_tp_full.ckpt", "", "model", results["fabric_tp_full"][0]["weights"]),
+    ):
+        plain = MLP()
+        plain.load_state_dict(load_full_state_dict(out / name, prefix=prefix, key=key))
+        if expected is not None:
+            for k, v in plain.state_dict().items():
+                assert torch.equal(v, expected[k]), k
+    assert (out / "fabric_tp_full.ckpt").is_file()
+    for result in results["fabric_tp_full"]:
+        for k, v in result["weights"].items():
+            assert torch.equal(v, result["reloaded_weights"][k]), k
 
 
 def test_tensor_parallel_without_a_plan_is_refused(two: tuple[Results, Path]) -> None:

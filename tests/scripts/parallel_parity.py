@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_accel
 from lightning_accel.strategies import AcceleratedParallelStrategy
-from lightning_accel.utils import ParallelismConfig
+from lightning_accel.utils import FullyShardedDataParallelPlugin, ParallelismConfig
 
 BATCH = 4  # per data-parallel process
 SAMPLES = 32
@@ -224,6 +224,35 @@ def fabric_run(sizes: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
     }
 
 
+def fabric_full_checkpoint(out: Path) -> dict[str, Any]:
+    """tp=2 with ``FULL_STATE_DICT``: rank 0 writes one file, which loads back into a fresh tensor-parallel model."""
+
+    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        return parallelize_module(model, mesh["tp"], PLAN)
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="FULL_STATE_DICT")
+    strategy = lightning_accel.strategies.FabricAcceleratedParallelStrategy(
+        ParallelismConfig(tp_size=2), parallelize_fn=parallelize, fsdp_plugin=plugin
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric.launch()
+    plain = MLP()
+    model, opt = fabric.setup(plain, optimizer(plain.parameters()))
+    for x, y in fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH)):
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    path = out / "fabric_tp_full.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt})
+    fresh = MLP()
+    fresh_model, fresh_opt = fabric.setup(fresh, optimizer(fresh.parameters()))
+    fabric.load(path, {"model": fresh_model, "optimizer": fresh_opt})
+    return {
+        "weights": full_weights(strategy, model._forward_module),
+        "reloaded_weights": full_weights(strategy, fresh_model._forward_module),
+    }
+
+
 def missing_plan_error() -> str:
     """What ``setup_module`` says when tp_size > 1 but nothing applied tensor parallelism."""
     fabric = L.Fabric(
@@ -258,6 +287,7 @@ def main() -> None:
     results[f"reference_{data_name}"] = reference(dist.get_world_size(), epochs=2, shuffle=True)
     if args.layout == 2:
         results["missing_plan"] = {"error": missing_plan_error()}
+        results["fabric_tp_full"] = fabric_full_checkpoint(args.out)
     for variant, value in results.items():
         torch.save(value, args.out / f"{variant}_rank{rank}.pt")
     dist.destroy_process_group()
