@@ -73,7 +73,7 @@ def _check_fresh_parent() -> None:
         RuntimeError: If a library that initialises the device on import was imported.
 
     """
-    if AcceleratorState._shared_state:
+    if AcceleratorState._shared_state or PartialState._shared_state:
         raise ValueError(
             "notebook_launcher starts the processes that each create the Accelerator, but this process already has "
             "one (or a PartialState): create it only inside the launched function, restart the notebook and rerun"

@@ -13,9 +13,9 @@ from unittest import mock
 import pytest
 
 from lightning_accel.cli import launch_settings, main
+from lightning_accel.cli.launch import plan_launch
 from lightning_accel.config import load_config
 from lightning_accel.enums import DistributedType
-from lightning_accel.utils.launch import plan_launch
 from tests.helpers import REPO, clean_env
 
 FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
@@ -45,7 +45,8 @@ def test_console_script_is_declared_and_points_at_main() -> None:
 
 def test_cli_modules_import_no_heavy_optional_packages() -> None:
     code = (
-        "import sys, lightning_accel.cli, lightning_accel.utils.environment, lightning_accel.utils.launch;"
+        "import sys, lightning_accel.cli, lightning_accel.cli.launch, lightning_accel.utils.environment,"
+        " lightning_accel.utils.launch;"
         "heavy = [m for m in ('deepspeed', 'wandb', 'torchao', 'transformer_engine') if m in sys.modules];"
         "assert not heavy, heavy"
     )

@@ -300,8 +300,8 @@ def _data_parallel_on_cpu(settings: dict[str, Any]) -> None:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
+    from lightning_accel.cli.launch import plan_launch, run_plan
     from lightning_accel.utils.environment import cpu_threads_per_process
-    from lightning_accel.utils.launch import plan_launch, run_plan
 
     passthrough = [
         item

@@ -43,7 +43,6 @@ from typing_extensions import override
 
 from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
 from lightning_accel.strategies.deepspeed_core import DeepSpeedFamily, TrainingFacts, estimated_total_steps
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
 from lightning_accel.strategies.deepspeed_prepare import (
@@ -55,6 +54,7 @@ from lightning_accel.strategies.deepspeed_prepare import (
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.deepspeed import DummyOptim
+from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -39,7 +39,7 @@ def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_K
     """
     path = Path(path)
     if (path / "latest").is_file():  # a DeepSpeed checkpoint directory
-        from lightning_accel.strategies.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
+        from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
 
         return strip_prefix(consolidate_deepspeed_checkpoint(path), prefix)
     if is_sharded_checkpoint(path):

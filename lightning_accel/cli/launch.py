@@ -1,0 +1,157 @@
+"""Plan and start a launch: settings to ``torch.distributed.run`` arguments and the processes' environment.
+
+``lightning-accel launch`` builds a :class:`LaunchPlan` with :func:`plan_launch` and starts it with :func:`run_plan`,
+which runs ``torch.distributed.run`` (the elastic launcher) in this process: it starts, watches and restarts the
+workers; nothing here manages processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_accel.config import _arguments
+from lightning_accel.config._settings import PLUGIN_BY_TYPE
+from lightning_accel.strategies.registry import entry_for
+from lightning_accel.utils.environment import env_from_settings
+from lightning_accel.utils.launch import _CPU_THREAD_ENV, _VISIBLE_DEVICES
+
+__all__ = ["LaunchPlan", "plan_launch", "run_plan"]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch runs.
+
+    Attributes:
+        torchrun_args: Arguments for ``torch.distributed.run``, ending with the command to run.
+        env: Variables added to the workers' environment.
+        processes_per_node: Workers on this machine.
+        num_machines: Machines taking part.
+
+    """
+
+    torchrun_args: tuple[str, ...]
+    env: dict[str, str]
+    processes_per_node: int
+    num_machines: int
+
+
+def _check_launchable(settings: Mapping[str, Any]) -> None:
+    """Fail before starting anything when no worker could run these settings."""
+    _arguments.check_supported(settings)
+    dtype = _arguments.distributed_type(settings)
+    if dtype is not None:
+        entry_for(dtype)
+    _arguments.accelerator_name(settings)
+    plugin = PLUGIN_BY_TYPE.get(dtype) if dtype is not None else None
+    if plugin is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plugin.build(settings)
+    if settings.get("mpirun_hostfile"):
+        raise ValueError(
+            "mpirun_config.mpirun_hostfile is set, but lightning-accel launch starts processes with "
+            "torch.distributed.run: run `lightning-accel launch --num_machines N --machine_rank R "
+            "--main_process_ip IP --main_process_port P` on each machine instead, and remove mpirun_config"
+        )
+    launcher = settings.get("deepspeed_multinode_launcher")
+    if settings.get("num_machines", 1) > 1 and launcher not in (None, "standard"):
+        raise ValueError(
+            f"deepspeed_multinode_launcher is {launcher!r}, but lightning-accel launch starts every machine with "
+            "torch.distributed.run; set it to 'standard' and run lightning-accel launch on each machine"
+        )
+
+
+def _rendezvous_args(settings: Mapping[str, Any]) -> list[str]:
+    machines = settings.get("num_machines", 1)
+    rank = settings.get("machine_rank", 0)
+    address, port = settings.get("main_process_ip"), settings.get("main_process_port")
+    if rank >= machines:
+        raise ValueError(f"machine_rank must be below num_machines ({machines}), got {rank}")
+    if machines == 1:
+        if not port:  # no port, or 0: let torch.distributed.run pick a free one
+            return ["--standalone"]
+        return ["--master_addr", address or "127.0.0.1", "--master_port", str(port)]
+    if not address or not port:
+        raise ValueError(
+            f"{machines} machines need main_process_ip and a non-zero main_process_port (the rank-0 machine's "
+            f"address), got {address!r} and {port!r}"
+        )
+    args = ["--node_rank", str(rank), "--rdzv_backend", settings.get("rdzv_backend") or "static"]
+    if settings.get("same_network"):
+        return [*args, "--master_addr", address, "--master_port", str(port)]
+    return [*args, "--rdzv_endpoint", f"{address}:{port}"]
+
+
+def _process_env(settings: Mapping[str, Any], cpu_threads: int) -> dict[str, str]:
+    env = env_from_settings(settings)
+    env["OMP_NUM_THREADS"] = str(cpu_threads)
+    device = _arguments.accelerator_name(settings)
+    if device == "cpu":
+        env.update(_CPU_THREAD_ENV)
+    gpu_ids = settings.get("gpu_ids")
+    if gpu_ids not in (None, "all") and device != "cpu":
+        env[_VISIBLE_DEVICES.get(device, "CUDA_VISIBLE_DEVICES")] = gpu_ids
+    return env
+
+
+def plan_launch(
+    settings: Mapping[str, Any],
+    command: Sequence[str],
+    *,
+    cpu_threads: int = 1,
+    module: bool = False,
+    no_python: bool = False,
+    torchrun_options: Sequence[str] = (),
+) -> LaunchPlan:
+    """Check the settings and plan the launch.
+
+    Args:
+        settings: Merged settings (command line over config file), with ``distributed_type`` set (``None``: data
+            parallel on the accelerator's devices).
+        command: The training script (or module, or program) and its arguments.
+        cpu_threads: ``OMP_NUM_THREADS`` for each worker.
+        module: Run ``command[0]`` as a Python module (``python -m``).
+        no_python: Run ``command[0]`` as a program, not with Python.
+        torchrun_options: Further ``torch.distributed.run`` options (``--max_restarts 2``, ...).
+
+    Raises:
+        ValueError: If the settings describe nothing lightning_accel can run (a type without a strategy, an invalid
+            plugin, an mpirun hostfile, a missing address for several machines, ...).
+
+    """
+    if not command:
+        raise ValueError("no training script given: pass the script (and its arguments) after the options")
+    if module and no_python:
+        raise ValueError("--module and --no_python cannot be combined")
+    _check_launchable(settings)
+    per_node = _arguments.processes_per_node(settings)
+    machines = settings.get("num_machines", 1)
+    args = ["--nnodes", str(machines), "--nproc_per_node", str(per_node), *_rendezvous_args(settings)]
+    args += [*torchrun_options, *(["--module"] if module else []), *(["--no_python"] if no_python else [])]
+    return LaunchPlan(tuple([*args, *command]), _process_env(settings, cpu_threads), per_node, machines)
+
+
+def run_plan(plan: LaunchPlan) -> int:
+    """Start the workers with ``torch.distributed.run`` and wait for them.
+
+    Returns:
+        0 when every worker succeeded, 1 when one failed (``torch.distributed.run`` prints which and why).
+
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.get_args_parser().parse_args(list(plan.torchrun_args))
+    os.environ.update(plan.env)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as err:
+        print(err, file=sys.stderr)
+        return 1
+    return 0
