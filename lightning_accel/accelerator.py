@@ -29,7 +29,12 @@ from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim import fabric as _fabric
 from lightning_accel._shim.checkpoint_control import CheckpointControl
 from lightning_accel._shim.loader_control import DataLoaderControl
-from lightning_accel._shim.module import AcceleratedModule, distributed_data_parallel, plain_optimizer_step
+from lightning_accel._shim.module import (
+    AcceleratedModule,
+    check_quantized_placement,
+    distributed_data_parallel,
+    plain_optimizer_step,
+)
 from lightning_accel._shim.process import ProcessControl
 from lightning_accel.config import (
     AutocastKwargs,
@@ -50,8 +55,9 @@ from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
 from lightning_accel.tracking.registry import check_logging_dir
-from lightning_accel.utils import operations
+from lightning_accel.utils import modeling, operations
 from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
+from lightning_accel.utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 from lightning_accel.utils.other import extract_model_from_parallel
 
 __all__ = ["Accelerator"]
@@ -317,6 +323,9 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
         models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not isinstance(obj, _FabricModule)]
         optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
+        for i in models:
+            facts = {"cpu_kernels": is_bitsandbytes_multi_backend_available(), "xpu": is_xpu_available()}
+            check_quantized_placement(objects[i], distributed=self.state.distributed_type != "NO", **facts)
         if models:  # an engine (DeepSpeed) fills its config from the whole call, as Accelerate's prepare does
             _fabric.describe_prepare_call(self.fabric.strategy, objects, self.split_batches)
         # One model with its optimizers: the strategy sets them up together (DeepSpeed needs it).
@@ -347,6 +356,10 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
     def prepare_model(self, model: Module, device_placement: bool | None = None) -> Module:
         """Set up one model with the strategy (wrap, move, compile)."""
         return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
+
+    def verify_device_map(self, model: Module) -> bool:
+        """Whether ``model`` was dispatched over several devices with a device map (such a model is not trained)."""
+        return modeling.verify_device_map(model)
 
     def prepare_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
         """Set up one optimizer (after its model)."""

@@ -95,3 +95,30 @@ def test_recursively_apply_type_error_has_accelerate_wording() -> None:
         messages.append(str(error.value))
     assert messages[0] == messages[1]
     assert "<class 'int'>" in messages[1]
+
+
+def _eight_bit_model(device_map: dict[str, str]) -> nn.Module:
+    model = nn.Linear(2, 2)
+    model.is_loaded_in_8bit = True  # what transformers sets on a bitsandbytes model
+    model.hf_device_map = device_map
+    return model
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_offloaded_8bit_model_is_refused_as_hf(
+    library: tuple[ModuleType, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = library[0]
+    with pytest.raises(ValueError, match="CPU or disk offload"):
+        package.Accelerator(cpu=True).prepare_model(_eight_bit_model({"a": "cpu", "b": "disk"}))
+    monkeypatch.setattr(f"{package.__name__}.accelerator.is_bitsandbytes_multi_backend_available", lambda: False)
+    with pytest.raises(ValueError, match="CPU or disk offload"):
+        package.Accelerator(cpu=True).prepare_model(_eight_bit_model({"": "cpu"}))
+
+
+def test_verify_device_map_agrees_with_hf() -> None:
+    for device_map in ({"": "cpu"}, {"a": "cpu", "b": "disk"}, {}):
+        model = nn.Linear(2, 2)
+        model.hf_device_map = device_map
+        ours = lightning_accel.Accelerator(cpu=True).verify_device_map(model)
+        assert ours == accelerate.Accelerator(cpu=True).verify_device_map(model) == (len(device_map) > 1)

@@ -83,3 +83,35 @@ class AcceleratedModule(_FabricModule):
             raise RuntimeError(
                 f"Call `accelerator.backward(loss)` instead of `loss.backward()`: {self._backward_guard}."
             )
+
+
+def check_quantized_placement(model: Module, *, distributed: bool, cpu_kernels: bool, xpu: bool) -> None:
+    """Refuse to prepare a bitsandbytes 8-bit/4-bit model whose device map cannot be trained, as Accelerate does.
+
+    Args:
+        model: The model; only one with ``is_loaded_in_8bit``/``is_loaded_in_4bit`` and an ``hf_device_map`` counts.
+        distributed: Whether the run has several processes (or a sharding strategy).
+        cpu_kernels: Whether bitsandbytes can run its layers on the CPU.
+        xpu: Whether this machine trains on XPU (where CPU-offloaded layers cannot take part).
+
+    Raises:
+        ValueError: For a map over several devices in a distributed run, or layers offloaded to the CPU (without CPU
+            kernels, or on XPU) or to disk.
+
+    """
+    quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
+    device_map = getattr(model, "hf_device_map", None)
+    if not quantized or not device_map:
+        return
+    devices = set(device_map.values())
+    if len(devices) > 1 and distributed:
+        raise ValueError(
+            f"This 8-bit/4-bit model is mapped over {sorted(map(str, devices))}, which a distributed run cannot train:"
+            " load it on one device per process (device_map={'': <the process's device>}) or run one process."
+        )
+    if ("cpu" in devices and (xpu or not cpu_kernels)) or "disk" in devices:
+        raise ValueError(
+            "A model loaded in 8-bit or 4-bit precision with CPU or disk offload cannot be trained: load it entirely"
+            " on the training device (device_map={'': <device>}), or install a bitsandbytes with CPU kernels to"
+            " train it on the CPU."
+        )
