@@ -122,3 +122,25 @@ def test_verify_device_map_agrees_with_hf() -> None:
         model.hf_device_map = device_map
         ours = lightning_accel.Accelerator(cpu=True).verify_device_map(model)
         assert ours == accelerate.Accelerator(cpu=True).verify_device_map(model) == (len(device_map) > 1)
+
+
+def _train_fp16_on_cpu(package: ModuleType) -> tuple[str, torch.Tensor]:
+    torch.manual_seed(0)
+    accelerator = package.Accelerator(cpu=True, mixed_precision="fp16")
+    model = nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        loss = model(data).square().mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return accelerator.mixed_precision, accelerator.unwrap_model(model).weight.detach().clone()
+
+
+def test_fp16_on_cpu_trains_in_fp32_as_hf_and_says_so() -> None:
+    theirs = _train_fp16_on_cpu(accelerate)
+    with pytest.warns(UserWarning, match=r"fp16.*needs a GPU.*trains in fp32.*bf16"):
+        ours = _train_fp16_on_cpu(lightning_accel)
+    assert ours[0] == theirs[0] == "fp16"
+    torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=0)

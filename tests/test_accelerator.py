@@ -247,7 +247,6 @@ def test_custom_object_count_must_match(tmp_path: Path) -> None:
             ValueError,
             "not both",
         ),
-        ({"mixed_precision": "fp16"}, ValueError, "fp16 mixed precision needs a GPU"),
         ({"mixed_precision": "fp12"}, ValueError, "fp12"),
         ({"dataloader_config": {"split_batches": True}}, TypeError, "dataloader_config"),
         ({"kwargs_handlers": [object()]}, TypeError, "Unsupported kwargs handler"),

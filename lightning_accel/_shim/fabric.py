@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from lightning_accel.config import (
 )
 from lightning_accel.config._settings import PLUGIN_BY_TYPE
 from lightning_accel.config.devices import backend_for_device
-from lightning_accel.enums import DistributedType
+from lightning_accel.enums import DistributedType, PrecisionType
 from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
@@ -199,13 +200,22 @@ def build_fabric(
     before launching.
 
     Raises:
-        ValueError: For an unusable precision on this device (fp16 on CPU) or a type without a strategy.
+        ValueError: For a type without a strategy. fp16 on CPU trains in fp32 with a warning, as in Accelerate
+            (whose scripts ask for fp16 whatever the machine).
 
     """
     strategy_options = {name: value for name, value in plugins.items() if value is not None}
     loop = {"gradient_accumulation_steps": GradientState().num_steps}
     strategy_options.update(_accepted(entry_for(dtype).fabric_cls, {**handlers, **loop}))
     strategy = strategy_for(dtype, fabric=True, **strategy_options)
+    if mixed_precision == PrecisionType.FP16 and device == "cpu" and dtype != DistributedType.DEEPSPEED:
+        warnings.warn(
+            "mixed_precision='fp16' needs a GPU: this CPU run trains in fp32, as Accelerate's does. Use"
+            " mixed_precision='bf16' for mixed precision on CPU.",
+            UserWarning,
+            stacklevel=4,
+        )
+        mixed_precision = PrecisionType.NO.value
     precision_cls = type(precision_plugin(mixed_precision))
     precision: AcceleratePrecision = precision_cls(**_accepted(precision_cls, handlers))
     fabric = Fabric(
