@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accel import Accelerator
 from lightning_accel.state import reset_state
 from lightning_accel.strategies.deepspeed_core import fill_engine_autos
-from lightning_accel.strategies.deepspeed_prepare import (
+from lightning_accel._shim.deepspeed_prepare import (
     PrepareFacts,
     check_dummies,
     dummy_fills,

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from lightning_accel._shim.deepspeed import PreparedDeepSpeedStrategy
 from lightning_accel.config import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -34,7 +35,8 @@ from lightning_accel.enums import DistributedType, PrecisionType
 from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
-from lightning_accel.strategies import entry_for, strategy_for
+from lightning_accel.strategies import entry_for
+from lightning_accel.strategies.deepspeed import FabricAcceleratedDeepSpeedStrategy
 from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
 from lightning_accel.utils.environment import torch_device_from_env
 
@@ -176,6 +178,10 @@ def _accepted(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in options.items() if name in parameters}
 
 
+# Fabric strategies whose configuration the Accelerator completes from each ``prepare`` call.
+_PREPARED_STRATEGIES: dict[type, type] = {FabricAcceleratedDeepSpeedStrategy: PreparedDeepSpeedStrategy}
+
+
 def build_fabric(
     dtype: DistributedType,
     device: str,
@@ -206,8 +212,10 @@ def build_fabric(
     """
     strategy_options = {name: value for name, value in plugins.items() if value is not None}
     loop = {"gradient_accumulation_steps": GradientState().num_steps}
-    strategy_options.update(_accepted(entry_for(dtype).fabric_cls, {**handlers, **loop}))
-    strategy = strategy_for(dtype, fabric=True, **strategy_options)
+    entry = entry_for(dtype)
+    strategy_options.update(_accepted(entry.fabric_cls, {**handlers, **loop}))
+    strategy_cls = _PREPARED_STRATEGIES.get(entry.fabric_cls, entry.fabric_cls)
+    strategy = strategy_cls(**entry.params(**strategy_options))
     if mixed_precision == PrecisionType.FP16 and device == "cpu" and dtype != DistributedType.DEEPSPEED:
         warnings.warn(
             "mixed_precision='fp16' needs a GPU: this CPU run trains in fp32, as Accelerate's does. Use"

@@ -11,7 +11,7 @@ under the Trainer give the numbers of ``ddp`` with gradient accumulation too (se
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -45,15 +45,8 @@ from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.deepspeed_core import DeepSpeedFamily, TrainingFacts, estimated_total_steps
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
-from lightning_accel.strategies.deepspeed_prepare import (
-    PrepareFacts,
-    check_dummies,
-    dummy_fills,
-    resolve_prepare_config,
-)
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.deepspeed import DummyOptim
 from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
 
 if TYPE_CHECKING:
@@ -323,12 +316,12 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no clipping setting
     and no DataLoader at setup, so the config's ``"auto"`` entries for them become ``0`` and ``1`` (the micro-batch
     size only feeds DeepSpeed's throughput report); ``"auto"`` accumulation becomes ``gradient_accumulation_steps``
-    (default ``1``). ``lightning_accel.Accelerator`` replaces these rules by Accelerate's
-    (:meth:`configure_from_prepare`). Accumulation follows DeepSpeed's own rules: call ``fabric.backward(loss)`` and
-    ``optimizer.step()`` for every micro-batch; the engine divides the loss by ``gradient_accumulation_steps`` and
-    updates the weights on every ``gradient_accumulation_steps``-th call. Alternatively, as ``lightning_accel``'s
-    ``Accelerator`` does, run the accumulating micro-batches inside ``fabric.no_backward_sync(model)``: they are then
-    the non-boundary steps and the others the boundary ones, whatever DeepSpeed's counter says.
+    (default ``1``). ``lightning_accel.Accelerator`` runs a subclass that fills them by Accelerate's rules instead.
+    Accumulation follows DeepSpeed's own rules: call ``fabric.backward(loss)`` and ``optimizer.step()`` for every
+    micro-batch; the engine divides the loss by ``gradient_accumulation_steps`` and updates the weights on every
+    ``gradient_accumulation_steps``-th call. Alternatively, as ``lightning_accel``'s ``Accelerator`` does, run the
+    accumulating micro-batches inside ``fabric.no_backward_sync(model)``: they are then the non-boundary steps and the
+    others the boundary ones, whatever DeepSpeed's counter says.
 
     Args:
         gradient_accumulation_steps: Micro-batches per optimizer step of the loop driving this strategy (the
@@ -375,8 +368,6 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
             logging_level=logging_level,
         )
         self._backward_sync_control = _AccumulationBoundary(self._family)
-        self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable (configure_from_prepare)
-        self._from_prepare = False  # configured by Accelerator.prepare (configure_from_prepare)
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
@@ -421,74 +412,16 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         )
         self.config = self._family.resolve(facts)
 
-    def configure_from_prepare(
-        self,
-        batch_sizes: Sequence[int | None],
-        *,
-        split_batches: bool,
-        torch_optimizer: bool,
-        optimizer: Any = None,
-        scheduler: Any = None,
-    ) -> None:
-        """Fill the config's "auto" entries by Accelerate's rules, for the engine ``Accelerator.prepare`` builds.
-
-        ``lightning_accel.Accelerator`` calls it before it sets up a model (see
-        :mod:`~lightning_accel.strategies.deepspeed_prepare`); plain Fabric keeps the rules of :meth:`_format_config`.
-
-        Args:
-            batch_sizes: Batch sizes of the data loaders in the same call (``None`` where unknown).
-            split_batches: Whether those batches are split over the processes.
-            torch_optimizer: Whether the call holds a torch optimizer.
-            optimizer: The call's optimizer (torch or ``DummyOptim``), if any.
-            scheduler: The call's scheduler (torch or ``DummyScheduler``), if any.
-
-        Raises:
-            ValueError: If the optimizer or scheduler does not match the config's sections (as in Accelerate).
-
-        """
-        plugin = self._family.plugin
-        check_dummies(plugin.deepspeed_config, optimizer, scheduler)
-        self._scheduler_callable = getattr(scheduler, "lr_scheduler_callable", None)
-        self._from_prepare = True
-        fills = dummy_fills(optimizer, scheduler, self.world_size, split_batches)
-        facts = PrepareFacts(
-            world_size=self.world_size,
-            device_type=self.root_device.type,
-            accumulation=self._accumulation or 1,
-            precision=facts_precision(self.precision),
-            batch_sizes=tuple(batch_sizes),
-            split_batches=split_batches,
-            torch_optimizer=torch_optimizer,
-            dummy_fills=tuple(fills.items()),
-        )
-        self._family.config = resolve_prepare_config(
-            plugin.deepspeed_config, facts, is_train_batch_min=plugin.is_train_batch_min
-        )
-        self.config = self._family.config
-
     @override
     def _initialize_engine(
         self, model: Module, optimizer: Optimizer | None = None, scheduler: Any = None
     ) -> tuple[Any, Any, Any]:
+        # A config with an "optimizer" section builds its own: the torch optimizer only names the parameters.
         declared_optimizer = "optimizer" in self._family.config
-        dummy = optimizer if isinstance(optimizer, DummyOptim) else None
-        # What the engine is built with; a DummyOptim's values were filled by configure_from_prepare (if "auto").
-        self.config = self._family.engine_config(model, None if dummy else optimizer, None)
-        given = scheduler
-        if dummy is not None and scheduler is None:
-            scheduler = self._scheduler_callable  # Accelerate gives it only with a DummyOptim
-        engine, ds_optimizer, ds_scheduler = self._family.initialize(
-            model,
-            None if declared_optimizer else optimizer,
-            self.local_rank,
-            self.config,
-            lr_scheduler=scheduler,
-            model_parameters=None if dummy is None else dummy.params,
+        self.config = self._family.engine_config(model, optimizer, None)
+        return self._family.initialize(
+            model, None if declared_optimizer else optimizer, self.local_rank, self.config, lr_scheduler=scheduler
         )
-        # Fabric's setup returns a scheduler the engine built from the config; under Accelerator.prepare it stays the
-        # engine's (``engine.lr_scheduler``, returned for a DummyScheduler) and setup returns only one it was given.
-        keep = given is not None or not self._from_prepare
-        return engine, ds_optimizer, ds_scheduler if keep else None
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
