@@ -247,5 +247,3 @@ def test_acc_auto_builds_the_launched_strategy_for_trainer_and_fabric(launched_e
 def test_acc_auto_refuses_types_without_a_strategy() -> None:
     with pytest.raises(ValueError, match=r"no strategy for DistributedType\.MEGATRON_LM yet"):
         AcceleratedAutoStrategy(environ={"ACCELERATE_USE_MEGATRON_LM": "true"})
-    with pytest.raises(ValueError, match="ACCELERATE_USE_PARALLELISM_CONFIG is set, but lightning_accel has no"):
-        AcceleratedAutoStrategy(environ={"ACCELERATE_USE_PARALLELISM_CONFIG": "true"})

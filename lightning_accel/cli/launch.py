@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_accel.config import _arguments
-from lightning_accel.config._settings import PLUGIN_BY_TYPE
+from lightning_accel.config._settings import PLUGIN_BY_TYPE, section_settings
 from lightning_accel.strategies.registry import entry_for
 from lightning_accel.utils.environment import env_from_settings
 from lightning_accel.utils.launch import _CPU_THREAD_ENV, _VISIBLE_DEVICES
 
-__all__ = ["LaunchPlan", "plan_launch", "run_plan"]
+__all__ = ["LaunchPlan", "parallelism_settings", "plan_launch", "run_plan"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,38 @@ class LaunchPlan:
     env: dict[str, str]
     processes_per_node: int
     num_machines: int
+
+
+def parallelism_settings(settings: Mapping[str, Any], use_flag: bool, *, in_file: bool) -> dict[str, Any]:
+    """Apply ``--use_parallelism_config`` to merged launch settings, as ``accelerate launch`` does.
+
+    The flag (or the config file's ``parallelism_config`` section) turns N-D parallelism on, and the sizes left out
+    are 1. Without ``num_processes`` from the file or the command line, the sizes' product is the process count.
+
+    Args:
+        settings: Command-line settings over the config file's.
+        use_flag: Whether ``--use_parallelism_config`` was given.
+        in_file: Whether the config file has a ``parallelism_config`` section.
+
+    Raises:
+        ValueError: If ``--parallelism_config_*`` options are given with neither the flag nor a file section
+            (``accelerate launch`` ignores them then).
+
+    """
+    merged = dict(settings)
+    if not (use_flag or in_file):
+        given = [f"--{s.name}" for s in section_settings("parallelism_config") if s.name in merged]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} given without --use_parallelism_config (and the config file has no "
+                "parallelism_config section); add --use_parallelism_config to train with these sizes"
+            )
+        return merged
+    merged = _arguments.with_parallelism_defaults(merged)
+    config = _arguments.parallelism_config(merged)
+    if "num_processes" not in merged and config is not None and config.total_size > 1:
+        merged["num_processes"] = config.total_size
+    return merged
 
 
 def _check_launchable(settings: Mapping[str, Any]) -> None:

@@ -12,9 +12,21 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, build_dynamo_plugin, section_settings
+from lightning_accel.config.parallelism import ParallelismConfig
 from lightning_accel.enums import DistributedType, PrecisionType
 
 _LIGHTNING_PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+_PARALLELISM_SECTION = "parallelism_config"
+# What `accelerate launch --use_parallelism_config` passes for the options it is not given.
+_PARALLELISM_DEFAULTS: dict[str, Any] = {
+    "parallelism_config_dp_replicate_size": 1,
+    "parallelism_config_dp_shard_size": 1,
+    "parallelism_config_tp_size": 1,
+    "parallelism_config_cp_size": 1,
+    "parallelism_config_cp_backend": "torch",
+    "parallelism_config_sp_size": 1,
+    "parallelism_config_sp_backend": "deepspeed",
+}
 
 
 def lightning_precision(mixed_precision: str | None) -> str | None:
@@ -118,28 +130,102 @@ def accelerator_name(settings: Mapping[str, Any]) -> str:
     return backend.device_type if backend is not None else "auto"
 
 
-def check_supported(settings: Mapping[str, Any]) -> None:
-    """Refuse settings no lightning_accel strategy implements yet.
+def uses_parallelism(settings: Mapping[str, Any]) -> bool:
+    """Whether the settings hold a ``parallelism_config`` (any ``parallelism_config_*`` value)."""
+    return any(s.name in settings for s in section_settings(_PARALLELISM_SECTION))
+
+
+def with_parallelism_defaults(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings with ``accelerate launch --use_parallelism_config``'s values for what they leave out.
+
+    Sizes are 1 and the backends ``torch`` (context) and ``deepspeed`` (sequence); ``cp_comm_strategy`` is
+    ``allgather`` when ``cp_size`` is above 1. Given values are kept.
+    """
+    merged = {**_PARALLELISM_DEFAULTS, **settings}
+    if merged["parallelism_config_cp_size"] > 1:
+        merged.setdefault("parallelism_config_cp_comm_strategy", "allgather")
+    return merged
+
+
+def parallelism_config(settings: Mapping[str, Any]) -> ParallelismConfig | None:
+    """The :class:`~lightning_accel.config.ParallelismConfig` the ``parallelism_config_*`` settings describe.
+
+    Returns:
+        ``None`` when the settings hold none (:func:`uses_parallelism`).
 
     Raises:
-        ValueError: If a ``parallelism_config`` is set.
+        ValueError: If the sizes contradict each other (``ParallelismConfig``'s own checks).
 
     """
-    given = [s.key for s in section_settings("parallelism_config") if s.name in settings]
-    if given:
+    from lightning_accel.config.file import parallelism_config_from_section
+
+    section = {s.key: settings[s.name] for s in section_settings(_PARALLELISM_SECTION) if s.name in settings}
+    return parallelism_config_from_section(section)
+
+
+def check_supported(settings: Mapping[str, Any]) -> None:
+    """Refuse settings no lightning_accel strategy implements.
+
+    A ``parallelism_config`` runs on ``acc_parallel``: with ``distributed_type`` ``FSDP`` (``fsdp_version`` 2, a
+    shard dimension to shard over, as Accelerate checks), data parallel (``MULTI_CPU``, ``MULTI_GPU``, ...) or
+    ``NO``; its sizes must multiply to ``num_processes`` (or be all 1: replication over every process).
+
+    Raises:
+        ValueError: If the ``parallelism_config`` is invalid, asks for DeepSpeed sequence parallelism, contradicts
+            the distributed type, or does not fit the number of processes.
+
+    """
+    config = parallelism_config(settings)
+    if config is None:
+        return
+    if config.sp_enabled:
         raise ValueError(
-            f"parallelism_config ({', '.join(given)}) is not supported by lightning_accel yet: no strategy builds "
-            "Accelerate's ParallelismConfig device mesh; remove the section"
+            f"parallelism_config_sp_size is {config.sp_size}, but DeepSpeed sequence parallelism (ALST/Ulysses) is "
+            "not supported by lightning_accel; set parallelism_config_sp_size: 1"
+        )
+    _check_parallel_type(settings, config)
+    processes = settings.get("num_processes", 1)
+    if config.total_size > 1 and processes not in (None, -1) and processes != config.total_size:
+        raise ValueError(
+            f"parallelism_config multiplies to {config.total_size} processes (dp_replicate {config.dp_replicate_size}"
+            f" x dp_shard {config.dp_shard_size} x cp {config.cp_size} x tp {config.tp_size}), but num_processes is "
+            f"{processes}; make them equal (set num_processes / `--num_processes`, or adjust the sizes)"
+        )
+
+
+def _check_parallel_type(settings: Mapping[str, Any], config: ParallelismConfig) -> None:
+    from lightning_accel.config.devices import BACKEND_BY_TYPE
+
+    dtype = distributed_type(settings)
+    if dtype is None or dtype == DistributedType.NO or dtype in BACKEND_BY_TYPE:
+        return
+    if dtype != DistributedType.FSDP:
+        raise ValueError(
+            f"parallelism_config runs on acc_parallel, which composes with FSDP (fsdp_version 2) or data parallel "
+            f"types (MULTI_CPU, MULTI_GPU, ...), not with distributed_type {dtype.value}; change distributed_type "
+            "or remove the parallelism_config section"
+        )
+    version = settings.get("fsdp_version", 1)
+    if version != 2:
+        raise ValueError(
+            f"parallelism_config shards with FSDP2 on a device mesh, but fsdp_version is {version}; set "
+            "fsdp_config.fsdp_version: 2 (`--fsdp_version 2`)"
+        )
+    if not (config.dp_shard_enabled or config.cp_enabled):
+        raise ValueError(
+            "distributed_type is FSDP, but parallelism_config has no dimension for FSDP to shard across (both "
+            "parallelism_config_dp_shard_size and parallelism_config_cp_size are 1), which Accelerate refuses too; "
+            "set parallelism_config_dp_shard_size above 1, or use MULTI_CPU / MULTI_GPU for tensor parallelism alone"
         )
 
 
 def accelerator_kwargs(settings: Mapping[str, Any], plugins: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``Accelerator`` arguments: mixed_precision, cpu, the type's plugin, dynamo_plugin, gradient accumulation.
+    """``Accelerator`` arguments: mixed_precision, cpu, the type's plugins, parallelism_config, accumulation.
 
     Args:
         settings: Flat settings.
-        plugins: Plugin objects given explicitly (``fsdp_plugin``, ``dynamo_plugin``, ...); they are used as they are
-            instead of being built from the settings.
+        plugins: Plugin objects given explicitly (``fsdp_plugin``, ``dynamo_plugin``, ``parallelism_config``, ...);
+            they are used as they are instead of being built from the settings.
 
     Raises:
         ValueError: If the settings are unsupported (:func:`check_supported`) or a plugin is invalid.
@@ -158,6 +244,8 @@ def accelerator_kwargs(settings: Mapping[str, Any], plugins: Mapping[str, Any] |
         kwargs[plugin.option] = plugin.build(settings)
     if "dynamo_plugin" not in given and any(s.name in settings for s in section_settings("dynamo_config")):
         kwargs["dynamo_plugin"] = build_dynamo_plugin(settings)
+    if "parallelism_config" not in given and uses_parallelism(settings):
+        kwargs["parallelism_config"] = parallelism_config(settings)
     kwargs.update(given)
     accumulation = settings.get("gradient_accumulation_steps")
     if isinstance(accumulation, int):

@@ -19,11 +19,13 @@ from lightning_accel.config._arguments import (
     distributed_type,
     fp8_recipe,
     lightning_precision,
+    parallelism_config,
     processes_per_node,
+    uses_parallelism,
 )
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, build_dynamo_plugin
 from lightning_accel.precision import FP8Precision
-from lightning_accel.strategies.registry import StrategyEntry, entries, entry_for, strategy_for
+from lightning_accel.strategies.registry import StrategyEntry, entries, entry_for
 from lightning_accel.utils.environment import resolve_settings
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ __all__ = [
 ]
 
 _DATA_PARALLEL_ON_ANY_DEVICE = "acc_ddp"
+_PARALLELISM = "acc_parallel"
 _TYPE_BY_PLUGIN_OPTION = {entry.option: dtype for dtype, entry in PLUGIN_BY_TYPE.items()}
 
 
@@ -57,32 +60,51 @@ def precision_plugins(settings: Mapping[str, Any]) -> list[Any]:
     return [FP8Precision(backend, recipe)]
 
 
-def strategy_entry(settings: Mapping[str, Any]) -> StrategyEntry:
-    """The registry entry of the settings' strategy (``acc_ddp`` for a ``None`` type).
+def strategy_entry(settings: Mapping[str, Any], *, parallel: bool = False) -> StrategyEntry:
+    """The registry entry of the settings' strategy.
+
+    ``acc_parallel`` when the settings hold a ``parallelism_config`` (or ``parallel`` is set: the caller passes a
+    ``ParallelismConfig``), ``acc_ddp`` for a ``None`` type, else the type's strategy.
 
     Raises:
         ValueError: If lightning_accel has no strategy for the type yet.
 
     """
+    if parallel or uses_parallelism(settings):
+        return _named(_PARALLELISM)
     dtype = distributed_type(settings)
     if dtype is None:
-        return next(e for e in entries() if e.name == _DATA_PARALLEL_ON_ANY_DEVICE)
+        return _named(_DATA_PARALLEL_ON_ANY_DEVICE)
     return entry_for(dtype)
+
+
+def _named(name: str) -> StrategyEntry:
+    return next(e for e in entries() if e.name == name)
 
 
 def strategy_options(settings: Mapping[str, Any], *, fabric: bool = False, **options: Any) -> dict[str, Any]:
     """The arguments the settings give the strategy: the type's plugin and, when compiling, ``dynamo_plugin``.
 
-    ``options`` are kept as given and win over the settings.
+    With a ``parallelism_config`` (``acc_parallel``) they are the ``ParallelismConfig`` and, for ``distributed_type``
+    ``FSDP``, the ``fsdp_config`` section's plugin. ``options`` are kept as given and win over the settings.
 
     Raises:
         ValueError: See :func:`build_strategy`.
 
     """
     check_supported(settings)
-    entry = strategy_entry(settings)  # the "no strategy for this type yet" error comes before any plugin is built
+    # the "no strategy for this type yet" error comes before any plugin is built
+    entry = strategy_entry(settings, parallel="parallelism_config" in options)
     dtype = distributed_type(settings)
     plugin = PLUGIN_BY_TYPE.get(dtype) if dtype is not None else None
+    if entry.name == _PARALLELISM:
+        if "parallelism_config" not in options:
+            options["parallelism_config"] = parallelism_config(settings)
+        if plugin is not None and plugin.option != "fsdp_plugin":
+            raise ValueError(
+                f"a ParallelismConfig runs on acc_parallel, which takes no {plugin.option}; drop the parallelism_config"
+                f" or use distributed_type FSDP (fsdp_version 2) instead of {getattr(dtype, 'value', dtype)}"
+            )
     if plugin is not None and plugin.option not in options:
         options[plugin.option] = plugin.build(settings)
     _add_dynamo_plugin(settings, entry.name, entry.fabric_cls if fabric else entry.trainer_cls, options)
@@ -103,10 +125,7 @@ def build_strategy(settings: Mapping[str, Any], *, fabric: bool = False, **optio
 
     """
     options = strategy_options(settings, fabric=fabric, **options)
-    dtype = distributed_type(settings)
-    if dtype is not None:
-        return strategy_for(dtype, fabric=fabric, **options)
-    entry = strategy_entry(settings)
+    entry = strategy_entry(settings, parallel="parallelism_config" in options)
     return (entry.fabric_cls if fabric else entry.trainer_cls)(**entry.params(**options))
 
 

@@ -35,12 +35,14 @@ from lightning_accel.enums import DistributedType, PrecisionType
 
 if TYPE_CHECKING:
     from lightning_accel.config.file import AccelerateConfig
+    from lightning_accel.config.parallelism import ParallelismConfig
 
 __all__ = [
     "accelerator_kwargs",
     "convert_dict_to_env_variables",
     "default_config_file",
     "env_from_settings",
+    "parallelism_config_from_env",
     "parse_flag_from_env",
     "resolve_settings",
     "settings_from_env",
@@ -83,6 +85,8 @@ _DYNAMO_DEFAULTS = {
     "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "false",
 }
 _TYPE_BY_PLUGIN_OPTION = {entry.option: dtype for dtype, entry in PLUGIN_BY_TYPE.items()}
+# Accelerator arguments that are objects used as given, not settings, and select no type.
+_OBJECT_OPTIONS = ("dynamo_plugin", "parallelism_config")
 _POSITIVE = int_parser(minimum=1)
 _FORBIDDEN_ENV_CHARS = (";", "\n", "<", ">", " ")
 _NON_NEGATIVE = int_parser(minimum=0)
@@ -246,20 +250,17 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
     ``distributed_type`` comes from ``ACCELERATE_USE_FSDP`` / ``_DEEPSPEED`` / ``_MEGATRON_LM``; a family's variables
     (``FSDP_*``, ``ACCELERATE_DEEPSPEED_*``, ...) count only when its flag is set; ``num_processes``,
     ``num_machines`` and ``machine_rank`` come from torchrun's ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
-    ``GROUP_RANK``.
+    ``GROUP_RANK``. With ``ACCELERATE_USE_PARALLELISM_CONFIG`` the ``PARALLELISM_CONFIG_*`` sizes are read, those
+    left out being 1 (as Accelerate's ``ParallelismConfig`` reads them).
 
     Raises:
-        ValueError: If a variable has an invalid value (the message names it), several type flags are set, or
-            ``ACCELERATE_USE_PARALLELISM_CONFIG`` asks for what no strategy implements yet.
+        ValueError: If a variable has an invalid value (the message names it) or several type flags are set.
 
     """
     env = _environ(environ)
-    if _flag_set(env, _PARALLELISM_FLAG):
-        raise ValueError(
-            f"{_PARALLELISM_FLAG} is set, but lightning_accel has no strategy for Accelerate's ParallelismConfig "
-            "(dp_replicate/dp_shard/tp/cp device meshes) yet; launch without parallelism_config"
-        )
     settings = _read_variables(env)
+    if _flag_set(env, _PARALLELISM_FLAG):
+        settings = _arguments.with_parallelism_defaults(settings)
     dtype = _type_from_flags(env)
     if dtype is not None:
         settings["distributed_type"] = dtype
@@ -267,6 +268,25 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         _apply_fsdp_reading_rules(settings)
     _read_torchrun(env, settings)
     return settings
+
+
+def parallelism_config_from_env(environ: Mapping[str, str] | None = None) -> ParallelismConfig | None:
+    """The ``ParallelismConfig`` a launch hands its processes (what Accelerate's ``Accelerator`` builds from it).
+
+    ``ACCELERATE_USE_PARALLELISM_CONFIG`` turns it on; ``PARALLELISM_CONFIG_DP_REPLICATE_SIZE``, ``_DP_SHARD_SIZE``,
+    ``_TP_SIZE``, ``_CP_SIZE`` (1 when unset), ``_CP_BACKEND``, ``_CP_COMM_STRATEGY``, ``_SP_*`` fill it.
+
+    Returns:
+        ``None`` when ``ACCELERATE_USE_PARALLELISM_CONFIG`` is not set to a true word.
+
+    Raises:
+        ValueError: If a variable has an invalid value (the message names it) or the sizes contradict each other.
+
+    """
+    env = _environ(environ)
+    if not _flag_set(env, _PARALLELISM_FLAG):
+        return None
+    return _arguments.parallelism_config(settings_from_env(env))
 
 
 def resolve_settings(
@@ -324,8 +344,8 @@ def accelerator_kwargs(
     Args:
         explicit: ``Accelerator`` arguments the caller passed: ``mixed_precision``, ``cpu``,
             ``gradient_accumulation_steps`` and plugin objects (``fsdp_plugin``, ``deepspeed_plugin``,
-            ``megatron_lm_plugin``, ``dynamo_plugin``); an explicit type plugin selects its type. ``None`` values
-            mean "not given".
+            ``megatron_lm_plugin``, ``dynamo_plugin``, ``parallelism_config``); an explicit type plugin selects its
+            type. ``None`` values mean "not given".
         config: An optional config file (or its path) below the environment.
         environ: The environment to read (default ``os.environ``).
 
@@ -334,7 +354,7 @@ def accelerator_kwargs(
 
     """
     given = {name: value for name, value in (explicit or {}).items() if value is not None}
-    plugins = {name: given.pop(name) for name in (*_TYPE_BY_PLUGIN_OPTION, "dynamo_plugin") if name in given}
+    plugins = {name: given.pop(name) for name in (*_TYPE_BY_PLUGIN_OPTION, *_OBJECT_OPTIONS) if name in given}
     flat = {("use_cpu" if name == "cpu" else name): value for name, value in given.items()}
     for option, dtype in _TYPE_BY_PLUGIN_OPTION.items():
         if option in plugins:
@@ -357,6 +377,8 @@ def _active_sections(settings: Mapping[str, Any]) -> set[str | None]:
         active.add(PLUGIN_BY_TYPE[dtype].section)
     if settings.get("mixed_precision") == PrecisionType.FP8:
         active.add("fp8_config")
+    if _arguments.uses_parallelism(settings):
+        active.add("parallelism_config")
     return active
 
 
@@ -364,10 +386,15 @@ def env_from_settings(settings: Mapping[str, Any]) -> dict[str, str]:
     """The variables ``accelerate launch`` sets for these settings, for the processes ``lightning-accel launch`` starts.
 
     The active type's family (``FSDP_*`` for FSDP, ``ACCELERATE_DEEPSPEED_*`` for DeepSpeed, ...) is written with its
-    flag, FP8 variables with ``mixed_precision: fp8``, and ``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_USE_CPU`` and
-    the ``ACCELERATE_DYNAMO_*`` variables always.
+    flag, FP8 variables with ``mixed_precision: fp8``, ``ACCELERATE_USE_PARALLELISM_CONFIG`` and the
+    ``PARALLELISM_CONFIG_*`` sizes and backends (defaults filled, as ``--use_parallelism_config`` passes them) with a
+    ``parallelism_config``, and ``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_USE_CPU`` and the ``ACCELERATE_DYNAMO_*``
+    variables always.
     """
     env: dict[str, str] = {}
+    if _arguments.uses_parallelism(settings):
+        settings = _arguments.with_parallelism_defaults(settings)
+        env[_PARALLELISM_FLAG] = "true"
     active = _active_sections(settings)
     for setting in SETTINGS:
         if setting.env is None or setting.section not in active or setting.name not in settings:
