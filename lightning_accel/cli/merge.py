@@ -48,16 +48,27 @@ def add_merge_weights_parser(commands: argparse._SubParsersAction[argparse.Argum
     parser.set_defaults(handler=_run_merge_weights)
 
 
+def _sharded_entries(source: Path) -> list[str]:
+    """The top-level entries a ``torch.distributed.checkpoint`` folder holds shards of (``state_dict``, ...)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    return sorted({key.split(".", 1)[0] for key in keys})
+
+
 def _merge_lightning_checkpoint(source: Path, target: Path, key: str, prefix: str, safe: bool) -> Path:
     """Write the model entry of a sharded ``acc_fsdp`` checkpoint folder into ``target``; returns the file."""
     from lightning_accel.utils.checkpoint import load_full_state_dict
     from lightning_accel.utils.constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
     from lightning_accel.utils.other import save
 
+    entries = _sharded_entries(source)
+    if key not in entries:
+        raise ValueError(f"{source} has no sharded {key!r} entry; pass --key with one of {entries}")
     try:
         weights = load_full_state_dict(source, prefix=prefix, key=key)
-    except KeyError as err:
-        raise ValueError(f"{source}: {err.args[0]}") from None
+    except KeyError as err:  # no key starts with the prefix
+        raise ValueError(f"{source}: {str(err.args[0]).rstrip('.')}; fix --prefix") from None
     target.mkdir(parents=True, exist_ok=True)
     path = target / (SAFE_WEIGHTS_NAME if safe else WEIGHTS_NAME)
     save(weights, path, safe_serialization=safe)
