@@ -43,7 +43,8 @@ def data() -> TensorDataset:
 
 def full_state(model: nn.Module) -> dict[str, Any]:
     options = StateDictOptions(full_state_dict=True)  # on CPU already (FSDP1 crashes gathering with cpu_offload)
-    return {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
+    state: dict[str, Any] = get_model_state_dict(model, options=options)
+    return {k: v.clone() for k, v in state.items()}
 
 
 def accelerator_run(out: Path) -> None:
@@ -77,7 +78,9 @@ class Regressor(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
     def on_train_end(self) -> None:  # while the model is still set up for training
-        self.full = full_state(self.trainer.strategy.model)
+        model = self.trainer.strategy.model
+        assert model is not None
+        self.full = full_state(model)
 
 
 def trainer_run(out: Path) -> None:
