@@ -273,7 +273,6 @@ def test_trainer_kwargs_pass_dynamo_settings_to_the_strategy() -> None:
 
 UNRUNNABLE = {
     "megatron": ("megatron.yaml", "no strategy for DistributedType.MEGATRON_LM yet"),
-    "xla": ("tpu.yaml", "no strategy for DistributedType.XLA yet"),
 }
 
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The XLA stage: a second virtual environment pinned to torch 2.9.0 + torch-xla 2.9.0 (PJRT's CPU runtime), then
+# tests/test_xla.py on one PJRT CPU device against plain PyTorch. Usage: bash tests/xla_stage.sh (from anywhere).
+# The first run downloads about 3 GB (PyPI's torch 2.9.0 wheel brings CUDA libraries) and takes ~10 minutes here;
+# later runs reuse .venv-xla and take about a minute.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${XLA_VENV:-.venv-xla}
+if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import torch_xla" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q "torch==2.9.0" "torch-xla==2.9.0"
+  "$VENV/bin/pip" install -q "lightning>=2.5,<2.7" pytest -e .
+fi
+PJRT_DEVICE=CPU timeout 600 "$VENV/bin/python" -m pytest -p no:cacheprovider tests/test_xla.py -q
