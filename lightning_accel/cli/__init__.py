@@ -1,4 +1,7 @@
-"""The ``lightning-accel`` command: ``env``, ``config --default``, ``trainer-args`` and ``launch``.
+"""The ``lightning-accel`` command: ``main`` and ``launch``'s options (the other commands live beside it).
+
+The commands: ``env``, ``config`` (``default``, ``update``), ``to-fsdp2``, ``trainer-args``, ``launch``, ``test``,
+``estimate-memory`` and ``merge-weights``.
 
 ``launch`` takes ``accelerate launch``'s options (``--config_file``, ``--num_processes``, ``--num_machines``,
 ``--machine_rank``, ``--main_process_ip``, ``--main_process_port``, ``--mixed_precision``, ``--use_fsdp``,
@@ -11,16 +14,12 @@ which wins over the defaults. It starts the processes with ``torch.distributed.r
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.metadata
-import os
-import platform
+import contextlib
+import io
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 __all__ = ["main"]
 
@@ -42,7 +41,20 @@ _SWITCHES = (
     "dynamo_use_regional_compilation",
 )
 _TORCHRUN_PASSTHROUGH = ("max_restarts", "monitor_interval", "tee", "log_dir", "role", "rdzv_conf")
-_OPTIONAL_PACKAGES = ("accelerate", "deepspeed", "torchao", "transformer_engine", "wandb", "torch_xla")
+_TPU_POD = (
+    "lightning-accel launch does not start TPU pods over gcloud: run `lightning-accel launch --tpu` on each TPU VM "
+    "(or use `accelerate launch --tpu_cluster`)"
+)
+_SAGEMAKER = "lightning-accel launch does not submit Amazon SageMaker jobs: use `accelerate launch` for those"
+# `accelerate launch` options for launchers lightning-accel does not drive: accepted by the parser, then refused.
+_REFUSED_OPTIONS = {
+    "tpu_use_cluster": ("--tpu_cluster", _TPU_POD),
+    "tpu_use_sudo": ("--tpu_use_sudo", _TPU_POD),
+    "vm": ("--vm", _TPU_POD),
+    "env": ("--env", _TPU_POD),
+    "aws_access_key_id": ("--aws_access_key_id", _SAGEMAKER),
+    "aws_secret_access_key": ("--aws_secret_access_key", _SAGEMAKER),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,156 +63,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"lightning-accel {args.command}: error: {err}", file=sys.stderr)
         return 2
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    # Imported here: `python -m lightning_accel.cli.selftest` (what `test` launches) imports this package first.
+    from lightning_accel.cli.config_commands import add_config_parsers
+    from lightning_accel.cli.env import add_env_parser
+    from lightning_accel.cli.memory import add_estimate_memory_parser
+    from lightning_accel.cli.merge import add_merge_weights_parser
+    from lightning_accel.cli.selftest import add_test_parser
+
     parser = argparse.ArgumentParser(
         "lightning-accel", description="Accelerate's config files and launcher, for Lightning and lightning_accel."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    env = commands.add_parser("env", help="Print versions, devices, collective backends and the default config.")
-    env.set_defaults(handler=_run_env)
-    config = commands.add_parser("config", help="Write a config file (`--default`: one for this machine).")
-    config.add_argument("--default", action="store_true", help="Write a basic config for this machine.")
-    config.add_argument("--mixed_precision", default="no", choices=["no", "fp16", "bf16", "fp8"])
-    config.add_argument("--config_file", default=None, help="Where to write (default: Accelerate's default file).")
-    config.set_defaults(handler=_run_config)
-    trainer_args = commands.add_parser("trainer-args", help="Print the lightning.Trainer arguments a config means.")
-    trainer_args.add_argument("--config_file", default=None, help="The file (default: Accelerate's default file).")
-    trainer_args.add_argument(
-        "--launch_env", action="store_true", help="Also print the variables `launch` sets for it."
-    )
-    trainer_args.set_defaults(handler=_run_trainer_args)
+    add_env_parser(commands)
+    add_config_parsers(commands)
     launch = commands.add_parser("launch", help="Start a training script on the configured processes.")
     _add_launch_arguments(launch)
     launch.set_defaults(handler=_run_launch)
+    add_test_parser(commands)
+    add_estimate_memory_parser(commands)
+    add_merge_weights_parser(commands)
     return parser
-
-
-# ---------------------------------------------------------------------------------------------------------- env
-
-
-def _package_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name.replace("_", "-"))
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _device_lines() -> list[str]:
-    import torch
-    import torch.distributed as dist
-
-    from lightning_accel.config.devices import BACKEND_BY_TYPE
-
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    names = ", ".join(torch.cuda.get_device_name(i) for i in range(cuda))
-    lines = [f"CPU cores: {os.cpu_count()}", f"CUDA devices: {cuda}" + (f" ({names})" if names else "")]
-    for backend in BACKEND_BY_TYPE.values():
-        if backend.device_type not in ("cpu", "cuda") and not backend.extension_missing():
-            backend.import_extension()
-            module = getattr(torch, backend.device_type, None)
-            count = module.device_count() if module is not None and module.is_available() else 0
-            lines.append(f"{backend.device_type.upper()} devices: {count}")
-    available = [name for name in ("gloo", "nccl", "mpi", "ucc", "xccl") if _backend_available(dist, name)]
-    lines.append(f"Collective backends: {', '.join(available) or 'none'}")
-    return lines
-
-
-def _backend_available(dist: Any, name: str) -> bool:
-    check = getattr(dist, f"is_{name}_available", None)
-    return bool(check()) if check is not None else False
-
-
-def _run_env(args: argparse.Namespace) -> int:
-    import lightning_accel
-    from lightning_accel.config import load_config
-    from lightning_accel.utils.environment import default_config_file
-
-    print(f"lightning_accel: {lightning_accel.__version__}")
-    print(f"Platform: {platform.platform()}")
-    print(f"Python: {platform.python_version()}")
-    for name in ("torch", "lightning", *_OPTIONAL_PACKAGES):
-        print(f"{name}: {_package_version(name)}")
-    for line in _device_lines():
-        print(line)
-    path = default_config_file()
-    if not path.is_file():
-        print(f"Default config: none ({path} does not exist; `lightning-accel config --default` writes one)")
-        return 0
-    print(f"Default config ({path}):")
-    try:
-        print("  " + yaml.safe_dump(load_config(path).to_dict()).rstrip().replace("\n", "\n  "))
-    except ValueError as err:
-        print(f"  invalid: {err}")
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------------- config
-
-
-def _run_config(args: argparse.Namespace) -> int:
-    from lightning_accel.config import write_machine_config
-    from lightning_accel.utils.environment import default_config_file
-
-    if not args.default:
-        raise ValueError(
-            "only `lightning-accel config --default` is implemented (no questionnaire): it writes a basic config "
-            "you can edit; `accelerate config` writes the same files interactively"
-        )
-    written = write_machine_config(args.mixed_precision, args.config_file or default_config_file())
-    if written is False:
-        return 1
-    print(f"Accelerate config written to {written}")
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------- trainer-args
-
-
-def _describe_options(options: dict[str, Any]) -> list[str]:
-    lines = []
-    for name, value in options.items():
-        lines.append(f"  {name}: {type(value).__name__}")
-        if dataclasses.is_dataclass(value):
-            lines += [f"    {f.name} = {getattr(value, f.name)!r}" for f in dataclasses.fields(value)]
-        deepspeed_config = getattr(value, "deepspeed_config", None)
-        if isinstance(deepspeed_config, dict):
-            lines.append("    DeepSpeed config: " + yaml.safe_dump(deepspeed_config).rstrip().replace("\n", "\n      "))
-    return lines
-
-
-def _run_trainer_args(args: argparse.Namespace) -> int:
-    from lightning_accel.config import load_config
-    from lightning_accel.strategies.arguments import settings_trainer_kwargs, strategy_entry, strategy_options
-    from lightning_accel.utils.environment import default_config_file, env_from_settings
-
-    config = load_config(args.config_file or default_config_file())
-    settings = config.settings()
-    kwargs = settings_trainer_kwargs(settings)
-    entry = strategy_entry(settings)
-    source = args.config_file or "the default config"
-    print(
-        f"# {source}: {config.distributed_type.value}, {kwargs['devices']} process(es) per machine on "
-        f"{kwargs['num_nodes']} machine(s)"
-    )
-    print("lightning.Trainer(")
-    for key, value in kwargs.items():
-        shown = f"{type(value).__name__}(...)  # {entry.name!r}" if key == "strategy" else f"{value!r},"
-        print(f"    {key}={shown}")
-    print(")")
-    options = strategy_options(settings)
-    if options:
-        print("strategy arguments:")
-        print("\n".join(_describe_options(options)))
-    if args.launch_env:
-        print("variables `lightning-accel launch` sets:")
-        for name, value in sorted(env_from_settings(settings).items()):
-            print(f"  {name}={value}")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------------- launch
@@ -235,9 +123,31 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launcher.add_argument("-m", "--module", action="store_true", help="Run the script as a Python module.")
     launcher.add_argument("--no_python", action="store_true", help="Run the script as a program, not with Python.")
     for name in _TORCHRUN_PASSTHROUGH:
-        launcher.add_argument(f"--{name}", default=None, help="Passed to torch.distributed.run.")
+        short = ["-t"] if name == "tee" else []  # accelerate launch's short spelling
+        launcher.add_argument(*short, f"--{name}", default=None, help="Passed to torch.distributed.run.")
+    launcher.add_argument(
+        "-q", "--quiet", action="store_true", help="On failure, print only the workers' output, not the summary."
+    )
+    _add_refused_arguments(parser.add_argument_group("accelerate launch options for TPU pods and SageMaker (refused)"))
     parser.add_argument("training_script", help="The script to run (or module, or program).")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="Arguments for the script.")
+
+
+def _add_refused_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--tpu_cluster", action="store_true", dest="tpu_use_cluster", help="Refused: a TPU pod.")
+    group.add_argument("--no_tpu_cluster", action="store_false", dest="tpu_use_cluster", help="Not a TPU pod.")
+    group.add_argument("--tpu_use_sudo", action="store_true", help="Refused: for TPU pods.")
+    group.add_argument("--vm", action="append", default=None, help="Refused: TPU pod VM names.")
+    group.add_argument("--env", action="append", default=None, help="Refused: TPU pod environment variables.")
+    group.add_argument("--aws_access_key_id", default=None, help="Refused: for SageMaker jobs.")
+    group.add_argument("--aws_secret_access_key", default=None, help="Refused: for SageMaker jobs.")
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """Raise for the first ``accelerate launch`` option given that belongs to a launcher not driven here."""
+    for dest, (option, reason) in _REFUSED_OPTIONS.items():
+        if getattr(args, dest, None):
+            raise ValueError(f"{option} is not supported: {reason}")
 
 
 def _explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -312,6 +222,7 @@ def _run_launch(args: argparse.Namespace) -> int:
     from lightning_accel.cli.launch import plan_launch, run_plan
     from lightning_accel.utils.environment import cpu_threads_per_process
 
+    _refuse_unsupported(args)
     passthrough = [
         item
         for name in _TORCHRUN_PASSTHROUGH
@@ -326,7 +237,10 @@ def _run_launch(args: argparse.Namespace) -> int:
         no_python=args.no_python,
         torchrun_options=passthrough,
     )
-    return run_plan(plan)
+    if not args.quiet:
+        return run_plan(plan)
+    with contextlib.redirect_stderr(io.StringIO()):  # the failure summary run_plan prints; workers write on
+        return run_plan(plan)
 
 
 if __name__ == "__main__":
