@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import os
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -27,15 +26,29 @@ from typing_extensions import override
 
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim import fabric as _fabric
+from lightning_accel._shim import parallelism as _parallelism
+from lightning_accel._shim.arguments import (
+    check_arguments,
+    check_type,
+    named_trackers,
+    parallelism_from_tp_plugin,
+    refuse_unsupported,
+    with_split_batches,
+)
 from lightning_accel._shim.checkpoint_control import CheckpointControl
 from lightning_accel._shim.loader_control import DataLoaderControl
+from lightning_accel._shim.lomo import LomoControl
 from lightning_accel._shim.module import (
     AcceleratedModule,
     check_quantized_placement,
     distributed_data_parallel,
+    evaluation_module,
     plain_optimizer_step,
 )
+from lightning_accel._shim.parallelism import ParallelismControl
+from lightning_accel._shim.precision_members import PrecisionMembers, check_fp8_handlers, handler_attributes
 from lightning_accel._shim.process import ProcessControl
+from lightning_accel._shim.profiling import ProfilingControl
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -63,67 +76,16 @@ from lightning_accel.utils.other import extract_model_from_parallel
 __all__ = ["Accelerator"]
 
 
-def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> None:
-    if value is not None and not isinstance(value, expected):
-        names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
-        raise TypeError(f"`{name}` must be a {names} (or None), got {type(value).__name__}: {value!r}.")
-
-
-def _refuse_unsupported(**values: Any) -> None:
-    given = [name for name, value in values.items() if value is not None]
-    if given:
-        raise NotImplementedError(
-            f"Accelerator({', '.join(f'{name}=...' for name in given)}) is not supported by lightning_accel yet:"
-            " use fsdp_plugin / deepspeed_plugin, or Trainer(strategy='acc_fsdp') for sharded training."
-        )
-
-
-def _with_split_batches(config: DataLoaderConfiguration | None, split_batches: bool | None) -> DataLoaderConfiguration:
-    """Apply the deprecated ``split_batches`` argument to the data-loader configuration.
-
-    Raises:
-        ValueError: If ``dataloader_config`` is given as well.
-
-    """
-    if split_batches is None:
-        return config or DataLoaderConfiguration()
-    if config is not None:
-        raise ValueError(
-            "Pass split_batches inside dataloader_config, not next to it: DataLoaderConfiguration(split_batches=...)."
-        )
-    warnings.warn(
-        "Accelerator(split_batches=...) is deprecated: pass"
-        " dataloader_config=DataLoaderConfiguration(split_batches=...).",
-        FutureWarning,
-        stacklevel=3,
-    )
-    return DataLoaderConfiguration(split_batches=split_batches)
-
-
-def _named_trackers(log_with: Any) -> list[str | GeneralTracker]:
-    """The trackers Accelerate checks at construction: all of them, unless ``"all"`` is among them (resolved)."""
-    given = log_with if isinstance(log_with, (list, tuple)) else [log_with]
-    if any(str(tracker).lower() == "all" for tracker in given):
-        return []
-    named = [tracker for tracker in given if tracker is not None]
-    return resolve_trackers(named) if named else []
-
-
-def _check_arguments(**values: Any) -> None:
-    expected = {
-        "dataloader_config": DataLoaderConfiguration,
-        "project_config": ProjectConfiguration,
-        "gradient_accumulation_plugin": GradientAccumulationPlugin,
-        "deepspeed_plugin": DeepSpeedPlugin,
-        "fsdp_plugin": FullyShardedDataParallelPlugin,
-        "dynamo_plugin": TorchDynamoPlugin,
-        "megatron_lm_plugin": MegatronLMPlugin,
-    }
-    for name, value in values.items():
-        _check_type(name, value, expected[name])
-
-
-class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointControl):
+class Accelerator(
+    ProcessControl,
+    TrackingMixin,
+    DataLoaderControl,
+    CheckpointControl,
+    PrecisionMembers,
+    ParallelismControl,
+    ProfilingControl,
+    LomoControl,
+):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
 
     Arguments left at their defaults are read from the launch environment (``ACCELERATE_MIXED_PRECISION``,
@@ -146,15 +108,20 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
         gradient_accumulation_plugin: Full accumulation settings (exclusive with ``gradient_accumulation_steps``).
         step_scheduler_with_optimizer: Step prepared schedulers by Accelerate's rules (see ``AcceleratedScheduler``).
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``InitProcessGroupKwargs``, ``AutocastKwargs``,
-            ``GradScalerKwargs``; each goes to the strategy or precision plugin that uses it.
+            ``GradScalerKwargs``, fp8 recipes (``AORecipeKwargs``, ``TERecipeKwargs``, ``FP8RecipeKwargs``),
+            ``ProfileKwargs``; each goes to the strategy, precision plugin or method that uses it.
         dynamo_plugin: ``torch.compile`` settings applied by the strategy when a model is prepared.
         log_with: Tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"comet_ml"``, ``"all"``) or objects.
         megatron_lm_plugin: Accepted for Accelerate's signature; there is no Megatron-LM strategy yet (raises).
         dynamo_backend: Shorthand for ``dynamo_plugin=TorchDynamoPlugin(backend=...)``.
         split_batches: Deprecated in Accelerate: ``DataLoaderConfiguration(split_batches=...)``. Given here, it is
             applied to the data-loader configuration with a ``FutureWarning`` (Accelerate 1.15 ignores it).
-        torch_tp_plugin, deepspeed_plugins, parallelism_config: Accelerate's tensor parallelism, several DeepSpeed
-            configurations and ND parallelism; not supported by this Accelerator yet (raise ``NotImplementedError``).
+        parallelism_config: N-D parallelism (``dp_replicate x dp_shard x cp x tp`` on a device mesh) through the
+            ``acc_parallel`` strategy, with ``fsdp_plugin`` for the shard dimensions. A model is split over ``tp`` by
+            the plan it carries (``model.tp_plan``) or by ``parallelize_module`` on ``torch_device_mesh["tp"]``
+            before ``prepare``.
+        torch_tp_plugin: Accelerate's deprecated tensor-parallel plugin: ``ParallelismConfig(tp_size=its tp_size)``.
+        deepspeed_plugins: Several named DeepSpeed configurations; not supported yet (``NotImplementedError``).
 
     Raises:
         TypeError: For arguments of the wrong type.
@@ -186,11 +153,10 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
         deepspeed_plugins: Any = None,
         parallelism_config: ParallelismConfig | None = None,
     ) -> None:
-        _refuse_unsupported(
-            torch_tp_plugin=torch_tp_plugin, deepspeed_plugins=deepspeed_plugins, parallelism_config=parallelism_config
-        )
-        dataloader_config = _with_split_batches(dataloader_config, split_batches)
-        _check_arguments(
+        refuse_unsupported(deepspeed_plugins=deepspeed_plugins)
+        parallelism_config = parallelism_from_tp_plugin(torch_tp_plugin, parallelism_config)
+        dataloader_config = with_split_batches(dataloader_config, split_batches)
+        check_arguments(
             dataloader_config=dataloader_config,
             project_config=project_config,
             gradient_accumulation_plugin=gradient_accumulation_plugin,
@@ -198,6 +164,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
             fsdp_plugin=fsdp_plugin,
             dynamo_plugin=dynamo_plugin,
             megatron_lm_plugin=megatron_lm_plugin,
+            parallelism_config=parallelism_config,
         )
         if dynamo_backend is not None:
             if dynamo_plugin is not None:
@@ -210,7 +177,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
             )
         # Everything that can be checked without processes is checked before the strategy starts them.
         handlers = _fabric.split_handlers(kwargs_handlers)
-        self.autocast_handler: AutocastKwargs | None = handlers.get("autocast_kwargs")  # type: ignore[assignment]
+        self._adopt_handlers(handler_attributes(kwargs_handlers))
         self.rng_types = check_rng_types(["generator"] if rng_types is None else rng_types)
         self.log_with = resolve_trackers(log_with)
         self.device_placement = device_placement
@@ -218,7 +185,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
-        check_logging_dir(_named_trackers(log_with), self.logging_dir)  # at construction, as Accelerate checks
+        check_logging_dir(named_trackers(log_with), self.logging_dir)  # at construction, as Accelerate checks
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         settings = accelerator_kwargs(
             {
@@ -231,8 +198,10 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
                 "deepspeed_plugin": deepspeed_plugin,
                 "dynamo_plugin": dynamo_plugin,
                 "megatron_lm_plugin": megatron_lm_plugin,
+                "parallelism_config": parallelism_config,
             }
         )
+        self._dynamo_plugin = settings.get("dynamo_plugin")
         self.gradient_state = GradientState(
             gradient_accumulation_plugin
             or GradientAccumulationPlugin(num_steps=settings.get("gradient_accumulation_steps", 1))
@@ -253,16 +222,17 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
         """Pick the distributed type, build and launch the Fabric, and record the processes in the shared state."""
         launch = _fabric.detect_launch()
         device = _fabric.device_type(bool(settings["cpu"]))
-        plugin_names = ("fsdp_plugin", "deepspeed_plugin", "megatron_lm_plugin", "dynamo_plugin")
+        plugin_names = ("fsdp_plugin", "deepspeed_plugin", "megatron_lm_plugin", "dynamo_plugin", "parallelism_config")
         plugins = {name: settings.get(name) for name in plugin_names}
         dtype = _fabric.distributed_type(launch, device, plugins)
         mixed_precision = str(settings["mixed_precision"])
+        check_fp8_handlers(handler_attributes(list(handlers.values())), mixed_precision, dtype)
         fabric = _fabric.build_fabric(
             dtype, device, launch, mixed_precision=mixed_precision, handlers=handlers, plugins=plugins
         )
         self.state = AcceleratorState(cpu=bool(settings["cpu"]))
         self.state._configure(
-            dtype,
+            getattr(fabric.strategy, "distributed_type", None) or dtype,
             _fabric.recorded_device(fabric, bool(settings["cpu"])),
             num_processes=fabric.world_size,
             process_index=fabric.global_rank,
@@ -270,6 +240,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
             debug=bool(settings_from_env().get("debug", False)),
         )
         self.state.mixed_precision = mixed_precision
+        self.state._record_plugins(**_parallelism.recorded_plugins(fabric.strategy, plugins))
         return fabric
 
     # ---- configuration ------------------------------------------------------------------------------------------
@@ -328,42 +299,59 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
             check_quantized_placement(objects[i], distributed=self.state.distributed_type != "NO", **facts)
         if models:  # an engine (DeepSpeed) fills its config from the whole call, as Accelerate's prepare does
             _fabric.describe_prepare_call(self.fabric.strategy, objects, self.split_batches)
+        for i in models:  # a model that carries a tensor-parallel plan is split before the strategy shards it
+            _parallelism.apply_model_tp_plan(objects[i], [objects[j] for j in optimizers], self.torch_device_mesh)
         # One model with its optimizers: the strategy sets them up together (DeepSpeed needs it).
         if len(models) == 1 and optimizers:
             move = placement[models[0]]
             model, *opts = self.fabric.setup(objects[models[0]], *(objects[i] for i in optimizers), move_to_device=move)
             self._register_model(objects, models[0], model)
             for i, opt in zip(optimizers, opts, strict=True):
-                objects[i] = self._register_optimizer(opt)
+                objects[i] = self._register_optimizer(opt, placement[i])
             return
         for i in models:
             self._register_model(objects, i, self.fabric.setup_module(objects[i], move_to_device=placement[i]))
         for i in optimizers:
-            objects[i] = self._register_optimizer(cast(Optimizer, self.fabric.setup_optimizers(objects[i])))
+            optimizer = cast(Optimizer, self.fabric.setup_optimizers(objects[i]))
+            objects[i] = self._register_optimizer(optimizer, placement[i])
 
     def _register_model(self, objects: list[Any], index: int, model: _FabricModule) -> None:
         adopted = AcceleratedModule.adopt(model)
         self._models.append(adopted)
         objects[index] = adopted
 
-    def _register_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
+    def _register_optimizer(self, optimizer: Optimizer, device_placement: bool) -> AcceleratedOptimizer:
         strategy = self.fabric.strategy
         engine, plain = _engine_step.engine_steps_in_backward(strategy), plain_optimizer_step(strategy)
-        wrapped = AcceleratedOptimizer(optimizer, strategy.precision, plain_step=plain, engine_steps=engine)
+        place = device_placement and not engine  # an engine (DeepSpeed) places its own optimizer state
+        wrapped = AcceleratedOptimizer(
+            optimizer, place, precision=strategy.precision, plain_step=plain, engine_steps=engine
+        )
         self._optimizers.append(wrapped)
         return wrapped
 
-    def prepare_model(self, model: Module, device_placement: bool | None = None) -> Module:
-        """Set up one model with the strategy (wrap, move, compile)."""
-        return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
+    def prepare_model(
+        self, model: Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> Module:
+        """Set up one model with the strategy (wrap, move, compile).
+
+        With ``evaluation_mode`` the model is for inference only, as in Accelerate: moved, compiled and run under the
+        precision plugin, but not wrapped for distributed training.
+        """
+        if not evaluation_mode:
+            return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
+        place = self.device_placement if device_placement is None else device_placement
+        prepared = evaluation_module(model, self.fabric.strategy, self.device if place else None, self._dynamo_plugin)
+        self._models.append(prepared)
+        return prepared
 
     def verify_device_map(self, model: Module) -> bool:
         """Whether ``model`` was dispatched over several devices with a device map (such a model is not trained)."""
         return modeling.verify_device_map(model)
 
-    def prepare_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
-        """Set up one optimizer (after its model)."""
-        return self.prepare(optimizer)
+    def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
+        """Set up one optimizer (after its model); ``device_placement`` moves its state to :attr:`device`."""
+        return self.prepare(optimizer, device_placement=None if device_placement is None else [device_placement])
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so it steps with its prepared optimizer (a ``DummyScheduler``: the engine's)."""
@@ -411,8 +399,12 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
         """Backpropagate ``loss`` divided by the accumulation steps, through the strategy and precision plugin.
 
         Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
+        With a LOMO optimizer prepared, ``learning_rate=`` runs its fused backward (:meth:`lomo_backward`).
         """
         steps = self.gradient_state.num_steps
+        if kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
+            self.lomo_backward(loss / steps, kwargs["learning_rate"])
+            return
         if steps != 1 and not _engine_step.engine_steps_in_backward(self.fabric.strategy):
             loss = loss / steps
         if self._models and all(m._backward_guard is None for m in self._models):
@@ -480,7 +472,7 @@ class Accelerator(ProcessControl, TrackingMixin, DataLoaderControl, CheckpointCo
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
         """The precision plugin's autocast context (a no-op in full precision or with ``enabled=False``)."""
-        _check_type("autocast_handler", autocast_handler, AutocastKwargs)
+        check_type("autocast_handler", autocast_handler, AutocastKwargs)
         handler = autocast_handler or self.autocast_handler
         if handler is not None and not handler.enabled:
             return nullcontext()

@@ -353,10 +353,10 @@ class SkipDataLoader(DataLoaderStateMixin, DataLoader):
 
     """
 
-    def __new__(cls, *args: Any, use_stateful_dataloader: bool = False, **kwargs: Any) -> Self:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         """Create the loader; with ``use_stateful_dataloader`` as its :func:`stateful_variant` class."""
-        del args, kwargs  # DataLoader's arguments, for __init__
-        return super().__new__(stateful_variant(cls) if use_stateful_dataloader else cls)
+        stateful = kwargs.get("use_stateful_dataloader", args[2] if len(args) > 2 else False)
+        return super().__new__(stateful_variant(cls) if stateful else cls)
 
     def __init__(
         self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs: Any

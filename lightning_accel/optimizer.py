@@ -2,20 +2,63 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.fabric.wrappers import _FabricOptimizer
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.state import GradientState
+from lightning_accel.state import AcceleratorState, GradientState
+from lightning_accel.utils.nested import honor_type
 
-__all__ = ["AcceleratedOptimizer"]
+__all__ = ["AcceleratedOptimizer", "move_to_device", "patch_optimizer_step"]
 
 
 def _is_fabric_wrapper(optimizer: Any) -> bool:
     return isinstance(optimizer, _FabricOptimizer)
+
+
+def move_to_device(state: Any, device: torch.device | str | int) -> Any:
+    """Move the tensors in ``state`` (nested lists, tuples and dicts, e.g. an optimizer state dict) to ``device``."""
+    if isinstance(state, (list, tuple)):
+        return honor_type(state, (move_to_device(item, device) for item in state))
+    if isinstance(state, dict):
+        return type(state)({key: move_to_device(value, device) for key, value in state.items()})
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    return state
+
+
+def patch_optimizer_step(accelerated_optimizer: AcceleratedOptimizer, method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an optimizer's ``step`` so calling it marks ``accelerated_optimizer._accelerate_step_called``.
+
+    A ``GradScaler`` skips the step on inf/NaN gradients; the mark tells whether it did (Accelerate's device).
+    """
+
+    def patched_step(*args: Any, **kwargs: Any) -> Any:
+        accelerated_optimizer._accelerate_step_called = True
+        return method(*args, **kwargs)
+
+    return patched_step
+
+
+def is_lomo_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is ``lomo_optim``'s ``Lomo`` or ``AdaLomo`` (which step inside the backward pass).
+
+    Read from the loaded module only: an optimizer of that package exists only once the package was imported.
+    """
+    lomo = sys.modules.get("lomo_optim")
+    if lomo is None:
+        return False
+    return isinstance(getattr(optimizer, "optimizer", optimizer), (lomo.Lomo, lomo.AdaLomo))
+
+
+def _state_off_device(optimizer: Optimizer, device: torch.device) -> bool:
+    tensors = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return any(t.device != device for t in tensors if t.dim() > 0 or t.device.type != "cpu")
 
 
 class AcceleratedOptimizer(Optimizer):
@@ -27,8 +70,13 @@ class AcceleratedOptimizer(Optimizer):
     ``Accelerator.backward`` (DeepSpeed, as in Accelerate), ``step`` and ``zero_grad`` do nothing and the
     ``Accelerator`` calls :meth:`record_engine_step` after the engine's step.
 
+    Built directly, as in Accelerate (``AcceleratedOptimizer(optimizer, device_placement, scaler)``), it moves the
+    optimizer's state to the state's device and steps through ``scaler`` (``scaler.step`` then ``scaler.update``).
+
     Args:
         optimizer: The optimizer Fabric returned from ``setup_optimizers`` (or a plain one).
+        device_placement: Move the optimizer's state to ``AcceleratorState().device`` (where it is elsewhere).
+        scaler: A ``torch.amp.GradScaler`` to step through (the ``Accelerator`` passes ``precision`` instead).
         precision: The precision plugin, asked whether the last step was skipped (fp16 overflow).
         plain_step: The strategy and precision plugin add nothing to the step (see
             :func:`lightning_accel._shim.module.plain_optimizer_step`): step the user's optimizer directly.
@@ -37,14 +85,28 @@ class AcceleratedOptimizer(Optimizer):
     """
 
     def __init__(
-        self, optimizer: Optimizer, precision: Any = None, plain_step: bool = False, engine_steps: bool = False
+        self,
+        optimizer: Optimizer,
+        device_placement: bool = True,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        precision: Any = None,
+        plain_step: bool = False,
+        engine_steps: bool = False,
     ) -> None:
         self.optimizer = optimizer
+        self.device_placement = device_placement
+        self.scaler = scaler
         self.precision = precision
         self.engine_steps = engine_steps
         self._stepper: Optimizer = getattr(optimizer, "optimizer", optimizer) if plain_step else optimizer
         self.gradient_state = GradientState()
         self._is_overflow = False
+        self._accelerate_step_called = False
+        if device_placement and AcceleratorState._shared_state:
+            device = AcceleratorState().device
+            if _state_off_device(optimizer, device):
+                optimizer.load_state_dict(move_to_device(optimizer.state_dict(), device))
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -86,9 +148,36 @@ class AcceleratedOptimizer(Optimizer):
         self._is_overflow = bool(getattr(self.optimizer, "overflow", False))
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
+        if is_lomo_optimizer(self._stepper):
+            return None  # LOMO updates the parameters in its fused backward pass
+        if self.scaler is not None:
+            return self._scaled_step(closure)
         result = self._stepper.step(closure) if closure is not None else self._stepper.step()
         self._is_overflow = bool(getattr(self.precision, "step_was_skipped", False))
         return result
+
+    def _scaled_step(self, closure: Callable[[], Any] | None) -> Any:
+        """``scaler.step`` and ``scaler.update``; the step counts as skipped when the scaler did not call it."""
+        assert self.scaler is not None
+        original = self._stepper.step
+        self._stepper.step = patch_optimizer_step(self, original)  # type: ignore[method-assign]
+        try:
+            result = (
+                self.scaler.step(self._stepper, closure) if closure is not None else self.scaler.step(self._stepper)
+            )
+            self.scaler.update()
+        finally:
+            self._stepper.step = original  # type: ignore[method-assign]
+        self._is_overflow, self._accelerate_step_called = not self._accelerate_step_called, False
+        return result
+
+    def train(self) -> None:
+        """Put an optimizer with modes (schedule-free's) in training mode; a no-op for the others."""
+        _call_mode(self.optimizer, "train")
+
+    def eval(self) -> None:
+        """Put an optimizer with modes (schedule-free's) in evaluation mode; a no-op for the others."""
+        _call_mode(self.optimizer, "eval")
 
     @property
     def step_was_skipped(self) -> bool:
@@ -127,3 +216,12 @@ class AcceleratedOptimizer(Optimizer):
     @override
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def _call_mode(optimizer: Any, mode: str) -> None:
+    """Call ``optimizer.<mode>()``, or the inner optimizer's where a wrapper (Fabric's, DeepSpeed's) holds one."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None), getattr(optimizer, "_optimizer", None)):
+        method = getattr(candidate, mode, None) if candidate is not None else None
+        if callable(method) and not isinstance(candidate, AcceleratedOptimizer):
+            method()
+            return

@@ -33,7 +33,7 @@ def test_split_batches_next_to_a_dataloader_config_raises():
         Accelerator(cpu=True, split_batches=True, dataloader_config=DataLoaderConfiguration())
 
 
-@pytest.mark.parametrize("argument", ["torch_tp_plugin", "deepspeed_plugins", "parallelism_config"])
+@pytest.mark.parametrize("argument", ["deepspeed_plugins"])
 def test_unsupported_plugins_raise_naming_the_argument(argument):
     with pytest.raises(NotImplementedError, match=argument):
         Accelerator(cpu=True, **{argument: ParallelismConfig()})

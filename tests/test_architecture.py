@@ -16,7 +16,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
 MAX_LINES = 600
 
 # The Accelerator shim: its public modules at Accelerate's paths and its private subpackage.
-SHIM = ("accelerator", "_shim", "data_loader", "optimizer", "scheduler", "checkpointing", "tracking", "launchers")
+SHIM = (
+    "accelerator",
+    "_shim",
+    "data_loader",
+    "optimizer",
+    "scheduler",
+    "checkpointing",
+    "tracking",
+    "launchers",
+    "local_sgd",
+    "inference",
+)
 PROCESS = ("state", "logging")
 
 

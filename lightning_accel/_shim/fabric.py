@@ -31,12 +31,15 @@ from lightning_accel.config import (
 )
 from lightning_accel.config._settings import PLUGIN_BY_TYPE
 from lightning_accel.config.devices import backend_for_device
+from lightning_accel.config.fp8 import AORecipeKwargs, FP8RecipeKwargs, TERecipeKwargs
+from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.enums import DistributedType, PrecisionType
 from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
 from lightning_accel.strategies import entry_for
 from lightning_accel.strategies.deepspeed import FabricAcceleratedDeepSpeedStrategy
+from lightning_accel.strategies.registry import StrategyEntry, entries
 from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
 from lightning_accel.utils.environment import torch_device_from_env
 
@@ -48,6 +51,10 @@ _HANDLER_ARGUMENT: dict[type[KwargsHandler], str] = {
     InitProcessGroupKwargs: "init_kwargs",
     AutocastKwargs: "autocast_kwargs",
     GradScalerKwargs: "scaler_kwargs",
+    ProfileKwargs: "profile_kwargs",  # read by Accelerator.profile, not by a strategy or precision plugin
+    AORecipeKwargs: "recipe_kwargs",
+    TERecipeKwargs: "recipe_kwargs",
+    FP8RecipeKwargs: "recipe_kwargs",
 }
 
 
@@ -167,7 +174,9 @@ def split_handlers(handlers: Sequence[KwargsHandler] | None) -> dict[str, Kwargs
             supported = ", ".join(cls.__name__ for cls in _HANDLER_ARGUMENT)
             raise TypeError(f"Unsupported kwargs handler {handler!r}; supported: {supported}.")
         if argument in found:
-            raise ValueError(f"kwargs_handlers holds two {type(handler).__name__} objects; pass only one.")
+            first, second = type(found[argument]).__name__, type(handler).__name__
+            kinds = f"two {first} objects" if first == second else f"{first} and {second}, which configure one thing"
+            raise ValueError(f"kwargs_handlers holds {kinds}; pass only one.")
         found[argument] = handler
     return found
 
@@ -210,9 +219,16 @@ def build_fabric(
             (whose scripts ask for fp16 whatever the machine).
 
     """
-    strategy_options = {name: value for name, value in plugins.items() if value is not None}
+    given = {name: value for name, value in plugins.items() if value is not None}
     loop = {"gradient_accumulation_steps": GradientState().num_steps}
-    entry = entry_for(dtype)
+    entry = _strategy_entry(dtype, given)
+    strategy_options = _accepted(entry.fabric_cls, given)
+    refused = sorted(set(given) - set(strategy_options))
+    if refused:
+        raise ValueError(
+            f"{entry.name} does not take {', '.join(refused)}: drop {'it' if len(refused) == 1 else 'them'}, or"
+            f" {'drop parallelism_config' if 'parallelism_config' in given else 'pick another plugin'}."
+        )
     strategy_options.update(_accepted(entry.fabric_cls, {**handlers, **loop}))
     strategy_cls = _PREPARED_STRATEGIES.get(entry.fabric_cls, entry.fabric_cls)
     strategy = strategy_cls(**entry.params(**strategy_options))
@@ -225,7 +241,7 @@ def build_fabric(
         )
         mixed_precision = PrecisionType.NO.value
     precision_cls = type(precision_plugin(mixed_precision))
-    precision: AcceleratePrecision = precision_cls(**_accepted(precision_cls, handlers))
+    precision: AcceleratePrecision = precision_cls(**_accepted(precision_cls, _precision_options(handlers)))
     fabric = Fabric(
         accelerator=device,
         devices=_devices(device, launch),
@@ -235,6 +251,22 @@ def build_fabric(
     )
     fabric.launch()
     return fabric
+
+
+def _precision_options(handlers: Mapping[str, KwargsHandler]) -> dict[str, Any]:
+    """The handlers for the precision plugin, with the fp8 ``backend`` that a recipe's class names."""
+    options: dict[str, Any] = dict(handlers)
+    recipe = handlers.get("recipe_kwargs")
+    if recipe is not None:
+        options["backend"] = "ao" if isinstance(recipe, AORecipeKwargs) else "te"
+    return options
+
+
+def _strategy_entry(dtype: DistributedType, plugins: Mapping[str, Any]) -> StrategyEntry:
+    """``acc_parallel`` when a ``parallelism_config`` is given (it composes FSDP2 with the mesh), else ``dtype``'s."""
+    if plugins.get("parallelism_config") is None:
+        return entry_for(dtype)
+    return next(entry for entry in entries() if entry.name == "acc_parallel")
 
 
 def describe_prepare_call(strategy: Any, objects: Sequence[Any], split_batches: bool) -> None:

@@ -13,6 +13,7 @@ from torch.distributed.algorithms import Join, Joinable
 from torch.utils.data import DataLoader
 
 from lightning_accel._shim.data_sharding import BatchSamplerShard
+from lightning_accel._shim.parallelism import data_shards
 from lightning_accel.config import DataLoaderConfiguration
 from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
@@ -83,11 +84,12 @@ class DataLoaderControl:
         config = self.dataloader_config
         state = PartialState()
         place = self.device_placement if device_placement is None else device_placement
+        num_processes, process_index = data_shards(self.fabric.strategy)  # the data-parallel group (mesh's dp)
         prepared = prepare_data_loader(
             data_loader,
             state.device if place else None,
-            num_processes=state.num_processes,
-            process_index=state.process_index,
+            num_processes=num_processes,
+            process_index=process_index,
             split_batches=config.split_batches,
             dispatch_batches=config.dispatch_batches,
             even_batches=config.even_batches,

@@ -21,7 +21,13 @@ from typing_extensions import override
 
 from lightning_accel.precision.base import AcceleratePrecision
 
-__all__ = ["AcceleratedModule", "backward_guard", "distributed_data_parallel", "plain_optimizer_step"]
+__all__ = [
+    "AcceleratedModule",
+    "backward_guard",
+    "distributed_data_parallel",
+    "evaluation_module",
+    "plain_optimizer_step",
+]
 
 
 def distributed_data_parallel(model: Module) -> DistributedDataParallel | None:
@@ -83,6 +89,21 @@ class AcceleratedModule(_FabricModule):
             raise RuntimeError(
                 f"Call `accelerator.backward(loss)` instead of `loss.backward()`: {self._backward_guard}."
             )
+
+
+def evaluation_module(model: Module, strategy: Strategy, device: Any, dynamo_plugin: Any) -> AcceleratedModule:
+    """``prepare_model(evaluation_mode=True)``: the precision plugin's forward and ``torch.compile``, no wrapper.
+
+    As in Accelerate, a model prepared for evaluation only is not wrapped for distributed training (no DDP, no
+    sharding); it is moved to ``device`` (unless ``None``) and compiled as ``dynamo_plugin`` says. Its train/eval
+    mode is left as it is.
+    """
+    from lightning_accel.utils.compile import apply_dynamo
+
+    if device is not None:
+        model = model.to(device)
+    model = apply_dynamo(model, dynamo_plugin)
+    return AcceleratedModule.adopt(_FabricModule(model, strategy, original_module=model))
 
 
 def check_quantized_placement(model: Module, *, distributed: bool, cpu_kernels: bool, xpu: bool) -> None:

@@ -6,6 +6,7 @@ from its strategy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -13,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_accel.enums import DistributedType
-from lightning_accel.state import AcceleratorState
+from lightning_accel.state import AcceleratorState, PartialState
 from lightning_accel.utils.operations import reduce
 
 __all__ = ["ProcessControl"]
@@ -25,7 +26,7 @@ class ProcessControl:
     """Mixin giving the ``Accelerator`` Accelerate's process information, decorators, triggers and helpers."""
 
     state: AcceleratorState
-    _trigger: torch.Tensor | None = None
+    flag_tensor: torch.Tensor | None = None
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -97,13 +98,17 @@ class ProcessControl:
         with self.state.local_main_process_first():
             yield
 
-    def on_main_process(self, function: _F) -> _F:
-        """Decorate ``function`` to run on the global main process only (elsewhere it returns ``None``)."""
-        return self.state.on_main_process(function)
+    def on_main_process(self, function: _F | None = None) -> Any:
+        """Decorate ``function`` to run on the global main process only (elsewhere it returns ``None``).
 
-    def on_local_main_process(self, function: _F) -> _F:
-        """Decorate ``function`` to run on each node's main process only."""
-        return self.state.on_local_main_process(function)
+        As in Accelerate it also decorates methods of an ``Accelerator`` subclass when used on the class
+        (``@Accelerator.on_main_process``), where the method itself arrives as ``self``.
+        """
+        return _main_only(self, function, "on_main_process")
+
+    def on_local_main_process(self, function: _F | None = None) -> Any:
+        """Decorate ``function`` to run on each node's main process only (see :meth:`on_main_process`)."""
+        return _main_only(self, function, "on_local_main_process")
 
     def on_last_process(self, function: _F) -> _F:
         """Decorate ``function`` to run on the last process only."""
@@ -125,12 +130,35 @@ class ProcessControl:
 
     def set_trigger(self) -> None:
         """Raise this process's flag; the next :meth:`check_trigger` returns ``True`` on every process."""
-        self._trigger = torch.tensor(1, device=self.state.device)
+        self.flag_tensor = torch.tensor(1, device=self.state.device)
 
     def check_trigger(self) -> bool:
         """Whether any process called :meth:`set_trigger` since the last check (collective; resets the flags)."""
-        flag = self._trigger if self._trigger is not None else torch.tensor(0, device=self.state.device)
+        flag = self.flag_tensor if self.flag_tensor is not None else torch.tensor(0, device=self.state.device)
         raised = bool(reduce(flag, reduction="sum").item() >= 1)
         if raised:
-            self._trigger = None
+            self.flag_tensor = None
         return raised
+
+
+def _main_only(owner: Any, function: Callable[..., Any] | None, decorator: str) -> Callable[..., Any]:
+    """Accelerate's decorator: ``function`` (or ``owner``, when used on the class) runs where the state says.
+
+    Raises:
+        ValueError: When called on an ``Accelerator`` without a function.
+
+    """
+    if function is None:
+        if isinstance(owner, ProcessControl) or not callable(owner):
+            raise ValueError(
+                f"The `{decorator}` decorator must be called with a function on an instantiated `Accelerator`"
+                f" object: use @accelerator.{decorator} (no parentheses) or accelerator.{decorator}(function)."
+            )
+        function = owner
+    target = function
+
+    @functools.wraps(target)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return getattr(PartialState(), decorator)(target)(*args, **kwargs)
+
+    return inner

@@ -14,7 +14,6 @@ import functools
 import gc
 import os
 import sys
-import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
@@ -31,59 +30,33 @@ from lightning.fabric.plugins.environments import (
 )
 from typing_extensions import override
 
-from lightning_accel.config import GradientAccumulationPlugin
 from lightning_accel.enums import DistributedType, PrecisionType
+from lightning_accel.state.gradient import GradientState
+from lightning_accel.state.shared import SharedDict, ThreadLocalSharedDict, _SharedState
 
-__all__ = ["AcceleratorState", "GradientState", "PartialState", "destroy_process_group", "reset_state"]
+__all__ = [
+    "AcceleratorState",
+    "GradientState",
+    "PartialState",
+    "SharedDict",
+    "ThreadLocalSharedDict",
+    "destroy_process_group",
+    "do_nothing",
+    "is_initialized",
+    "reset_state",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# What AcceleratorState adds to the process description PartialState shares with it.
-_RUN_KEYS = ("mixed_precision",)
-_PROCESS_KEYS = (
-    "distributed_type",
-    "device",
-    "num_processes",
-    "process_index",
-    "local_process_index",
-    "debug",
-    "fork_launched",
+# The plugins AcceleratorState records (``None`` where the run has none).
+_PLUGIN_KEYS = (
+    "dynamo_plugin",
+    "deepspeed_plugins",
+    "fsdp_plugin",
+    "torch_tp_plugin",
+    "megatron_lm_plugin",
+    "parallelism_config",
 )
-# The attributes each state always has once filled in (a missing one means the state was reset).
-_STATE_ATTRIBUTES = {"PartialState": _PROCESS_KEYS, "AcceleratorState": _PROCESS_KEYS + _RUN_KEYS}
-
-
-class _SharedState:
-    """Instances share one attribute dictionary per class (the Borg pattern)."""
-
-    _shared_state: ClassVar[dict[str, Any]]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "_shared_state" not in cls.__dict__:
-            cls._shared_state = {}
-
-    def __init__(self) -> None:
-        self.__dict__ = self._shared_state
-
-    @property
-    def initialized(self) -> bool:
-        """Whether the ``Accelerator`` (or the first user) filled in this state."""
-        return bool(self._shared_state)
-
-    @classmethod
-    def _reset_state(cls) -> None:
-        cls._shared_state.clear()
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes the shared dictionary lacks: say why when the state was reset.
-        if name in _STATE_ATTRIBUTES.get(type(self).__name__, ()):
-            kind = type(self).__name__
-            raise AttributeError(
-                f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` was called and"
-                f" no `Accelerator` or `{kind}` was created since: create one before using it."
-            )
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
 class PartialState(_SharedState):
@@ -211,11 +184,23 @@ class PartialState(_SharedState):
         yield from self._goes_first(self.is_local_main_process)
 
     def _goes_first(self, is_first: bool) -> Generator[None, None, None]:
+        # Each wait is a collective that carries the body's error, so a failure on one side raises on every process.
         if not is_first:
-            self.wait_for_everyone()
-        yield
+            self._share_outcome(None)
+        try:
+            yield
+        except Exception as err:
+            self._share_outcome(err)
+            raise
+        self._share_outcome(None)
         if is_first:
-            self.wait_for_everyone()
+            self._share_outcome(None)
+
+    @staticmethod
+    def _share_outcome(error: BaseException | None) -> None:
+        from lightning_accel.utils.shared_errors import raise_on_every_process  # utils/__init__ imports this module
+
+        raise_on_every_process(error, "main_process_first")
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the local main process only."""
@@ -232,13 +217,28 @@ class PartialState(_SharedState):
 
         return wrapper  # type: ignore[return-value]
 
-    def on_main_process(self, function: _F) -> _F:
-        """Decorate ``function`` to run on the global main process only (elsewhere it returns ``None``)."""
-        return self._only_where(function, lambda s: s.is_main_process)
+    def on_main_process(self, function: _F | None = None) -> _F:
+        """Decorate ``function`` to run on the global main process only (elsewhere it returns ``None``).
 
-    def on_local_main_process(self, function: _F) -> _F:
-        """Decorate ``function`` to run on each node's main process only."""
-        return self._only_where(function, lambda s: s.is_local_main_process)
+        Raises:
+            ValueError: Without a function (Accelerate's signature makes it optional).
+
+        """
+        return self._only_where(_decorated(function, "on_main_process"), lambda s: s.is_main_process)
+
+    def on_local_main_process(self, function: _F | None = None) -> _F:
+        """Decorate ``function`` to run on each node's main process only (see :meth:`on_main_process`)."""
+        return self._only_where(_decorated(function, "on_local_main_process"), lambda s: s.is_local_main_process)
+
+    @property
+    def default_device(self) -> torch.device:
+        """The device this machine trains on by default: the current accelerator's type, else the CPU."""
+        return torch.device(_accelerator_type()) if torch.accelerator.is_available() else torch.device("cpu")
+
+    def set_device(self) -> None:
+        """Make :attr:`device` the current device of its type (a no-op on the CPU or without an index)."""
+        if self.device.type != "cpu" and self.device.index is not None:
+            torch.accelerator.set_device_index(self.device.index)
 
     def on_last_process(self, function: _F) -> _F:
         """Decorate ``function`` to run on the last process only."""
@@ -292,28 +292,94 @@ class PartialState(_SharedState):
 
 
 class AcceleratorState(PartialState):
-    """:class:`PartialState` plus the run's precision and the strategy's distributed type.
+    """:class:`PartialState` plus the run's precision, plugins and the strategy's distributed type.
 
     As in Accelerate it keeps its own dictionary, filled from :class:`PartialState`'s when first created (joining the
     launch if no ``PartialState`` did yet): the process description is the same, while ``distributed_type`` is the
-    strategy's (``FSDP`` here, ``MULTI_CPU`` in ``PartialState``).
+    strategy's (``FSDP`` here, ``MULTI_CPU`` in ``PartialState``). The ``Accelerator`` records its precision and
+    plugins here; a state created first on its own records the ones it is given.
 
     Args:
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (default ``"no"``); once recorded it cannot
+            change without a reset.
         cpu: Use the CPU even where an accelerator is present (passed on to the first ``PartialState``).
+        dynamo_plugin: The run's ``TorchDynamoPlugin``.
+        deepspeed_plugin: The run's ``DeepSpeedPlugin`` (or a dict of named ones; the first is active).
+        fsdp_plugin: The run's ``FullyShardedDataParallelPlugin``.
+        torch_tp_plugin: Accelerate's deprecated tensor-parallel plugin (recorded only).
+        megatron_lm_plugin: The run's ``MegatronLMPlugin``.
+        parallelism_config: The run's ``ParallelismConfig``.
         **kwargs: ``torch.distributed.init_process_group`` arguments for the first ``PartialState``.
+
+    Raises:
+        ValueError: For an unknown precision, or one other than the precision already recorded.
 
     """
 
     _shared_state: ClassVar[dict[str, Any]] = {}
 
-    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        mixed_precision: str | None = None,
+        cpu: bool = False,
+        dynamo_plugin: Any = None,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
+        megatron_lm_plugin: Any = None,
+        parallelism_config: Any = None,
+        **kwargs: Any,
+    ) -> None:
         partial = PartialState(cpu, **kwargs)
         _SharedState.__init__(self)
+        first = "mixed_precision" not in self.__dict__
         for key, value in partial.__dict__.items():
-            self.__dict__.setdefault(key, value)
-        self.fork_launched = partial.fork_launched
-        if "mixed_precision" not in self.__dict__:
-            self.mixed_precision = PrecisionType.NO.value
+            if key != "fork_launched":  # PartialState's, read through the property below
+                self.__dict__.setdefault(key, value)
+        recorded = None if first else str(self.__dict__["mixed_precision"])
+        precision = _checked_precision(mixed_precision, recorded)
+        if first:
+            self.mixed_precision = precision
+            self._record_plugins(
+                dynamo_plugin=dynamo_plugin,
+                deepspeed_plugins=deepspeed_plugin,
+                fsdp_plugin=fsdp_plugin,
+                torch_tp_plugin=torch_tp_plugin,
+                megatron_lm_plugin=megatron_lm_plugin,
+                parallelism_config=parallelism_config,
+            )
+
+    def _record_plugins(self, **plugins: Any) -> None:
+        """Record the run's plugins (the ``Accelerator`` calls this with the ones its strategy uses)."""
+        for name in _PLUGIN_KEYS:
+            setattr(self, name, plugins.get(name))
+        self.device_mesh = plugins.get("device_mesh")
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """The active ``DeepSpeedPlugin`` (the selected one of several), ``None`` without DeepSpeed."""
+        plugins = self.__dict__.get("deepspeed_plugins")
+        if not isinstance(plugins, dict):
+            return plugins
+        selected = [plugin for plugin in plugins.values() if getattr(plugin, "selected", False)]
+        return selected[0] if selected else next(iter(plugins.values()), None)
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether the run shards with FSDP2 (Accelerate's ``state.is_fsdp2``)."""
+        plugin = self.__dict__.get("fsdp_plugin")
+        version = getattr(plugin, "fsdp_version", None)
+        return self.distributed_type == DistributedType.FSDP and version == 2
+
+    @property
+    def fork_launched(self) -> bool:  # type: ignore[override]  # PartialState's attribute, read as Accelerate does
+        """Whether ``debug_launcher``/``notebook_launcher`` started this process (it owns the process group)."""
+        return bool(PartialState().fork_launched)
+
+    @override
+    def destroy_process_group(self, group: dist.ProcessGroup | None = None) -> None:
+        """:meth:`PartialState.destroy_process_group` (it works after this state was reset, as in Accelerate)."""
+        PartialState().destroy_process_group(group)
 
     @override
     def _configure(
@@ -347,80 +413,42 @@ class AcceleratorState(PartialState):
             PartialState._reset_state()
 
 
-class GradientState(_SharedState):
-    """Gradient-accumulation settings and the live state of the loop.
+def _decorated(function: _F | None, decorator: str) -> _F:
+    if function is None:
+        raise ValueError(
+            f"PartialState().{decorator} needs the function to decorate: use @state.{decorator} (no parentheses)."
+        )
+    return function
 
-    Attributes:
-        sync_gradients: Whether the current micro-step synchronises gradients and steps the optimizer.
-        plugin_kwargs: The accumulation plugin's non-default fields (Accelerate stores ``to_kwargs()``, so its
-            getters' own defaults apply to the rest: ``adjust_scheduler`` reads ``False`` unless set).
 
-    Args:
-        gradient_accumulation_plugin: Settings of the run; only the first instance of a process applies them.
+def _checked_precision(requested: str | None, recorded: str | None) -> str:
+    """The precision a state records: ``requested`` (lower-cased), else ``recorded``, else ``"no"``.
+
+    Raises:
+        ValueError: For an unknown name, or one that differs from the precision already recorded.
 
     """
+    if requested is None:
+        return recorded or PrecisionType.NO.value
+    name = str(requested).lower()
+    if name not in PrecisionType:
+        raise ValueError(f"Unknown mixed_precision {requested!r}; expected one of {PrecisionType.list()}.")
+    if recorded is not None and name != recorded:
+        raise ValueError(
+            f"AcceleratorState already records mixed_precision={recorded!r}, so it cannot become {name!r}: call"
+            " reset_state() first, or pass mixed_precision to the first Accelerator / AcceleratorState."
+        )
+    return name
 
-    def __init__(self, gradient_accumulation_plugin: GradientAccumulationPlugin | None = None) -> None:
-        super().__init__()
-        if not self.initialized:
-            self.sync_gradients = True
-            self._references: list[weakref.ref[Any]] = []
-            self.plugin_kwargs: dict[str, Any] = {}
-        if gradient_accumulation_plugin is not None:
-            self.plugin_kwargs = gradient_accumulation_plugin.to_kwargs()
 
-    @property
-    def num_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return int(self.plugin_kwargs.get("num_steps", 1))
+def do_nothing(*args: Any, **kwargs: Any) -> None:
+    """Accept anything and return ``None`` (Accelerate's placeholder for functions skipped on other processes)."""
+    del args, kwargs
 
-    @property
-    def adjust_scheduler(self) -> bool:
-        """Whether a skipped scheduler step still advances its counter."""
-        return bool(self.plugin_kwargs.get("adjust_scheduler", False))
 
-    @property
-    def sync_with_dataloader(self) -> bool:
-        """Whether the last batch of a data loader always synchronises."""
-        return bool(self.plugin_kwargs.get("sync_with_dataloader", True))
-
-    @property
-    def sync_each_batch(self) -> bool:
-        """Whether gradients are synchronised at every micro-batch."""
-        return bool(self.plugin_kwargs.get("sync_each_batch", False))
-
-    @property
-    def active_dataloader(self) -> Any | None:
-        """The innermost data loader being iterated, if any."""
-        live = [ref() for ref in self._references]
-        live = [loader for loader in live if loader is not None]
-        return live[-1] if live else None
-
-    @property
-    def in_dataloader(self) -> bool:
-        """Whether a prepared data loader is being iterated."""
-        return self.active_dataloader is not None
-
-    @property
-    def end_of_dataloader(self) -> bool:
-        """Whether the active data loader yielded (or is yielding) its last batch."""
-        loader = self.active_dataloader
-        return bool(loader is not None and loader.end_of_dataloader)
-
-    @property
-    def remainder(self) -> int:
-        """Samples in the active loader's last global batch (``-1`` when unknown or not iterating)."""
-        loader = self.active_dataloader
-        return -1 if loader is None else int(loader.remainder)
-
-    def _set_sync_gradients(self, sync_gradients: bool) -> None:
-        self.sync_gradients = sync_gradients
-
-    def _add_dataloader(self, dataloader: Any) -> None:
-        self._references = [*self._references, weakref.ref(dataloader)]
-
-    def _remove_dataloader(self, dataloader: Any) -> None:
-        self._references = [ref for ref in self._references if ref() is not dataloader and ref() is not None]
+def is_initialized() -> bool:
+    """Whether an ``Accelerator`` (or a first ``AcceleratorState``) filled in the shared ``AcceleratorState``."""
+    return AcceleratorState._shared_state != {}
 
 
 def _required_index(name: str, value: int | None) -> int:

@@ -1,0 +1,255 @@
+"""The ``Accelerator``'s parallelism members: the mesh, the rank along each dimension, context parallelism, the engine.
+
+With ``Accelerator(parallelism_config=ParallelismConfig(...))`` the Fabric runs the ``acc_parallel`` strategy, which
+builds Accelerate's device mesh when the processes start and answers the rank questions; the members here read the
+strategy and the shared state, which records the plugins the strategy uses. Data loaders are sharded over the mesh's
+``dp`` dimension (:func:`data_shards`): processes that differ only in their ``tp`` or ``cp`` coordinate read the same
+batches, as in Accelerate.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric import Fabric
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_accel.config import ParallelismConfig
+from lightning_accel.config.devices import BACKEND_BY_TYPE
+from lightning_accel.state import AcceleratorState, PartialState
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ParallelismControl", "apply_model_tp_plan", "data_shards", "recorded_plugins"]
+
+
+def recorded_plugins(strategy: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The plugins the state records: the given ones, with the strategy's FSDP settings, config and mesh.
+
+    ``acc_parallel`` fills the config in from the process count (all ones become ``dp_replicate``) and builds the mesh
+    when the processes start; ``acc_fsdp`` and ``acc_parallel`` carry the FSDP plugin they shard with.
+    """
+    return {
+        "dynamo_plugin": given.get("dynamo_plugin"),
+        "deepspeed_plugins": given.get("deepspeed_plugin"),
+        "fsdp_plugin": getattr(strategy, "fsdp_plugin", None) or given.get("fsdp_plugin"),
+        "megatron_lm_plugin": given.get("megatron_lm_plugin"),
+        "torch_tp_plugin": given.get("torch_tp_plugin"),
+        "parallelism_config": getattr(strategy, "parallelism_config", None) or given.get("parallelism_config"),
+        "device_mesh": getattr(strategy, "torch_device_mesh", None),
+    }
+
+
+def data_shards(strategy: Any) -> tuple[int, int]:
+    """``(num_processes, process_index)`` to shard data loaders with: the strategy's data-parallel group.
+
+    A strategy with a device mesh answers with the ``dp`` dimension (``distributed_sampler_kwargs``); the others shard
+    over all processes.
+    """
+    state = PartialState()
+    if getattr(strategy, "torch_device_mesh", None) is None:
+        return state.num_processes, state.process_index
+    kwargs = strategy.distributed_sampler_kwargs
+    return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+
+def _parallel_style(name: str, style: Any) -> Any:
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    if isinstance(style, ParallelStyle):
+        return style
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if style not in styles:
+        raise ValueError(
+            f"tp_plan[{name!r}] = {style!r} is not a tensor-parallel style: use 'colwise', 'rowwise' or a"
+            " torch.distributed.tensor.parallel.ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...)."
+        )
+    return styles[style]()
+
+
+def apply_model_tp_plan(model: Module, optimizers: list[Optimizer], mesh: DeviceMesh | None) -> None:
+    """Split ``model`` over the mesh's ``tp`` dimension by the plan it carries (``model.tp_plan``), in place.
+
+    The plan maps submodule names (or ``*`` patterns) to ``ParallelStyle`` objects or ``"colwise"``/``"rowwise"``.
+    A model without a plan, one already split (DTensor parameters, e.g. ``parallelize_module`` called before
+    ``prepare``) or a mesh without ``tp`` is left alone. ``optimizers`` built from the plain parameters are pointed at
+    the split ones.
+
+    Raises:
+        TypeError: If ``model.tp_plan`` is not a mapping.
+        ValueError: For an unknown style name.
+
+    """
+    from torch.distributed.tensor import DTensor
+
+    plan = getattr(model, "tp_plan", None)
+    if plan is None or mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"{type(model).__name__}.tp_plan must map submodule names to styles, got {plan!r}.")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
+
+    names = optimizer_parameter_names(model, optimizers)
+    parallelize_module(model, mesh["tp"], {key: _parallel_style(key, value) for key, value in plan.items()})
+    repoint_optimizers(model, optimizers, names)
+
+
+class ParallelismControl:
+    """Accelerate's mesh and rank members, ``maybe_context_parallel`` and the engine's plugins, for the Accelerator."""
+
+    fabric: Fabric
+    state: AcceleratorState
+    _warned_context_parallel: bool = False
+
+    @property
+    def parallelism_config(self) -> ParallelismConfig | None:
+        """The ``ParallelismConfig`` in use (with the sizes the processes fill in), ``None`` without one."""
+        return self.state.__dict__.get("parallelism_config")
+
+    @property
+    def torch_device_mesh(self) -> DeviceMesh | None:
+        """The device mesh (Accelerate's dimension names), ``None`` without a ``parallelism_config``."""
+        return self.state.__dict__.get("device_mesh")
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether the model is sharded with FSDP2."""
+        return self.state.is_fsdp2
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        """Whether parallelisms compose on a mesh (FSDP2), as Accelerate answers."""
+        return self.is_fsdp2
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process takes part in saving the model.
+
+        With a ``parallelism_config`` every process does (Accelerate's answer), else the local main processes.
+        """
+        return self.parallelism_config is not None or self.state.is_local_main_process
+
+    @property
+    def multi_device(self) -> bool:
+        """Whether several processes train data parallel on accelerators (``MULTI_GPU``, ``MULTI_XPU``, ...)."""
+        backend = BACKEND_BY_TYPE.get(self.state.distributed_type)
+        device = backend.device_type if backend is not None else None
+        return self.state.use_distributed and device not in (None, "cpu", "xla")
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """The active ``DeepSpeedPlugin``, ``None`` without DeepSpeed."""
+        return self.state.deepspeed_plugin
+
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The active DeepSpeed plugin's config (what the engine is built from).
+
+        Raises:
+            AttributeError: Outside a DeepSpeed run (Accelerate has no such attribute there either).
+
+        """
+        plugin = self.deepspeed_plugin
+        if plugin is None:
+            raise AttributeError(
+                "deepspeed_config exists only in DeepSpeed runs: pass"
+                " Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))."
+            )
+        return plugin.deepspeed_config
+
+    def _mesh_rank(self, member: str, enabled: str, what: str) -> int:
+        """The strategy's ``member`` rank; 0 where the config leaves the dimension at size 1, as in Accelerate."""
+        config = self.parallelism_config
+        if config is None:
+            raise RuntimeError(
+                f"{what} is not configured: pass Accelerator(parallelism_config=ParallelismConfig(...))."
+            )
+        if not getattr(config, enabled):
+            return 0
+        return int(getattr(self.fabric.strategy, member))
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """The coordinate of this process along ``tp`` (0 when ``tp_size == 1``).
+
+        Raises:
+            RuntimeError: Without a ``parallelism_config``.
+
+        """
+        return self._mesh_rank("tensor_parallel_rank", "tp_enabled", "Tensor parallelism")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """The coordinate of this process along ``dp_replicate`` (0 without replication).
+
+        Raises:
+            RuntimeError: Without a ``parallelism_config``.
+
+        """
+        return self._mesh_rank("data_parallel_rank", "dp_replicate_enabled", "Data parallelism")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """The coordinate of this process along ``dp_shard`` (0 without sharding).
+
+        Raises:
+            RuntimeError: Without a ``parallelism_config``.
+
+        """
+        return self._mesh_rank("data_parallel_shard_rank", "dp_shard_enabled", "Shard-based data parallelism")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Not available, as in Accelerate 1.15.
+
+        Raises:
+            NotImplementedError: Always.
+
+        """
+        raise NotImplementedError("Context parallelism is currently not supported in Accelerate.")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """Not available, as in Accelerate 1.15.
+
+        Raises:
+            NotImplementedError: Always.
+
+        """
+        raise NotImplementedError("Pipeline parallelism is currently not supported in Accelerate.")
+
+    @contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> Generator[None, None, None]:
+        """Shard ``buffers`` along their sequence dimensions over ``cp`` inside the block (``cp_size > 1``).
+
+        Without context parallelism the block runs unchanged, with a warning (once), as in Accelerate.
+        """
+        config = self.parallelism_config
+        if config is None or not config.cp_enabled or config.cp_backend != "torch":
+            if not self._warned_context_parallel:
+                self._warned_context_parallel = True
+                warnings.warn(
+                    "Context parallel training is not enabled, so maybe_context_parallel has no effect: set"
+                    " ParallelismConfig(cp_size=...) > 1 to enable it.",
+                    stacklevel=3,
+                )
+            yield
+            return
+        strategy: Any = self.fabric.strategy  # acc_parallel: a parallelism_config is given
+        with strategy.context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
+            yield
