@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import Self, override
 
 from lightning_accel._shim.data_sharding import BatchSamplerShard
-from lightning_accel.state import GradientState
+from lightning_accel.state import GradientState, PartialState
 from lightning_accel.utils.operations import (
     broadcast,
     broadcast_object_list,
@@ -154,17 +154,20 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
     It looks one batch ahead, so ``end_of_dataloader`` is already true while the last batch is processed.
 
     Args:
-        *args: ``DataLoader`` arguments (the dataset and this process's sampling).
+        dataset: The dataset (this process's share of it, or the whole one with a sharded sampler).
         device: Where batches go (``None`` keeps them where the collate function put them).
         rng_types: Generators synchronised from process 0 at the start of each iteration.
         synchronized_generator: The generator of ``"generator"`` in ``rng_types``.
         skip_batches: Batches skipped at the start of every iteration.
-        non_blocking: Non-blocking host-to-device copies.
-        source_drop_last: ``drop_last`` of the loader this one was prepared from (no remainder when true).
         use_stateful_dataloader: Draw the batches from torchdata's ``StatefulDataLoader`` (built with the same
             arguments), whose state :meth:`state_dict` returns; the loader is then a ``StatefulDataLoader`` itself
             (see :func:`stateful_variant`).
-        **kwargs: ``DataLoader`` keyword arguments.
+        non_blocking: Non-blocking host-to-device copies.
+        source_drop_last: ``drop_last`` of the loader this one was prepared from (no remainder when true).
+        torch_device_mesh: The device mesh of an N-D parallel run (recorded; the sampler is sharded over its ``dp``
+            dimension when the loader is prepared).
+        iteration: The epoch the first iteration starts at.
+        **kwargs: ``DataLoader`` keyword arguments (``batch_size``, ``sampler``, ``collate_fn``, ...).
 
     Attributes:
         iteration: The epoch of the next iteration (passed to ``set_epoch`` of the samplers).
@@ -174,36 +177,43 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
 
     """
 
-    def __new__(cls, *args: Any, use_stateful_dataloader: bool = False, **kwargs: Any) -> Self:
+    _STATEFUL_POSITION: ClassVar[int] = 5  # where ``use_stateful_dataloader`` comes in Accelerate's positional order
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         """Create the loader; with ``use_stateful_dataloader`` as its :func:`stateful_variant` class."""
-        del args, kwargs  # DataLoader's arguments, for __init__
-        return super().__new__(stateful_variant(cls) if use_stateful_dataloader else cls)
+        position = cls._STATEFUL_POSITION
+        stateful = kwargs.get("use_stateful_dataloader", args[position] if len(args) > position else False)
+        return super().__new__(stateful_variant(cls) if stateful else cls)
 
     def __init__(
         self,
-        *args: Any,
+        dataset: Any,
         device: torch.device | None = None,
-        rng_types: Sequence[str] = (),
+        rng_types: Sequence[str] | None = None,
         synchronized_generator: torch.Generator | None = None,
         skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
+        *,
         non_blocking: bool = False,
         source_drop_last: bool = False,
-        use_stateful_dataloader: bool = False,
+        torch_device_mesh: Any = None,
+        iteration: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(dataset, **kwargs)
         self.device = device
-        self.rng_types = list(rng_types)
+        self.torch_device_mesh = torch_device_mesh
+        self.rng_types = list(rng_types or ())
         self.synchronized_generator = synchronized_generator
         self.skip_batches = skip_batches
         self.non_blocking = non_blocking
         self.source_drop_last = source_drop_last
         self.use_stateful_dataloader = use_stateful_dataloader
-        base: Any = (stateful_dataloader_class() if use_stateful_dataloader else DataLoader)(*args, **kwargs)
+        base: Any = (stateful_dataloader_class() if use_stateful_dataloader else DataLoader)(dataset, **kwargs)
         self.base_dataloader = base  # the loader the batches are drawn from, as in Accelerate
         self._state: dict[str, Any] = base.state_dict() if use_stateful_dataloader else {}
         self._resumed_batches = 0
-        self.iteration = 0
+        self.iteration = iteration
         self.end_of_dataloader = False
         self.remainder = -1
         self.position = 0
@@ -371,28 +381,36 @@ class DataLoaderDispatcher(DataLoaderShard):
     others.
 
     Args:
-        *args: ``DataLoader`` arguments (the original dataset and sampling, not sharded).
-        num_processes: Number of processes.
-        process_index: This process's rank.
+        dataset: The original dataset (not sharded).
         split_batches: Slice each batch instead of dealing whole batches.
+        skip_batches: Batches skipped at the start of every iteration.
+        use_stateful_dataloader: As for :class:`DataLoaderShard`.
         slice_fn: ``slice_fn(batch, slice, process_index=, num_processes=)`` (default :func:`slice_tensors`).
+        num_processes: Number of processes (default: the state's).
+        process_index: This process's rank (default: the state's).
         **kwargs: :class:`DataLoaderShard` keyword arguments; without ``device`` the batches are broadcast where the
             collate function put them (CPU for gloo).
 
     """
 
+    _STATEFUL_POSITION: ClassVar[int] = 3
+
     def __init__(
         self,
-        *args: Any,
-        num_processes: int = 1,
-        process_index: int = 0,
+        dataset: Any,
         split_batches: bool = False,
+        skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
         slice_fn: Callable[..., Any] | None = None,
+        *,
+        num_processes: int | None = None,
+        process_index: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
-        self.num_processes = num_processes
-        self.process_index = process_index
+        super().__init__(dataset, skip_batches=skip_batches, use_stateful_dataloader=use_stateful_dataloader, **kwargs)
+        state = PartialState()
+        self.num_processes = state.num_processes if num_processes is None else num_processes
+        self.process_index = state.process_index if process_index is None else process_index
         self.split_batches = split_batches
         self.slice_fn = slice_fn or slice_tensors
         self._stopped = False
