@@ -25,19 +25,24 @@ from lightning_accel.config import (
     FullyShardedDataParallelPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ParallelismConfig,
 )
+from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.data_loader import skip_first_batches
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType, PrecisionType
+from lightning_accel.inference import prepare_pippy
 from lightning_accel.launchers import debug_launcher, notebook_launcher
 from lightning_accel.state import AcceleratorState, GradientState, PartialState
 from lightning_accel.strategies import register_strategies, strategy_for
 from lightning_accel.strategies.accelerators import register_accelerators
 from lightning_accel.strategies.arguments import trainer_kwargs
+from lightning_accel.utils.imports import is_rich_available
 from lightning_accel.utils.memory import find_executable_batch_size
 from lightning_accel.utils.modeling import (
     infer_auto_device_map,
     load_checkpoint_in_model,
 )
+from lightning_accel.utils.random import synchronize_rng_states
 
 __version__ = "0.1.0"
 
@@ -57,8 +62,10 @@ __all__ = [
     "GradScalerKwargs",
     "GradientState",
     "InitProcessGroupKwargs",
+    "ParallelismConfig",
     "PartialState",
     "PrecisionType",
+    "ProfileKwargs",
     "__version__",
     "attach_layerwise_casting_hooks",
     "cpu_offload",
@@ -70,10 +77,13 @@ __all__ = [
     "infer_auto_device_map",
     "init_empty_weights",
     "init_on_device",
+    "is_rich_available",
     "load_checkpoint_and_dispatch",
     "load_checkpoint_in_model",
     "notebook_launcher",
+    "prepare_pippy",
     "skip_first_batches",
     "strategy_for",
+    "synchronize_rng_states",
     "trainer_kwargs",
 ]

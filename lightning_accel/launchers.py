@@ -34,7 +34,7 @@ from lightning_accel.utils.imports import (
 )
 from lightning_accel.utils.other import get_free_port
 
-__all__ = ["debug_launcher", "notebook_launcher"]
+__all__ = ["debug_launcher", "notebook_launcher", "test_launch"]
 
 # Libraries that initialise the accelerator when imported, which breaks the forked workers.
 _DEVICE_INITIALISING_LIBRARIES = ("bitsandbytes",)
@@ -379,3 +379,8 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
         }
         with patch_environment(**environment):
             start_processes(_DebugWorker(function), args=tuple(args), nprocs=num_processes, start_method="fork")
+
+
+def test_launch() -> None:
+    """Check that this process can describe its launch (Accelerate's self-check): create the ``PartialState``."""
+    PartialState()
