@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from lightning.fabric import Fabric
@@ -16,15 +17,61 @@ from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accel import checkpointing
+from lightning_accel._shim.checkpoint_publish import (
+    SaveTarget,
+    choose_target,
+    on_disk_managers,
+    publish,
+    remove_stale,
+    rotate,
+)
 from lightning_accel._shim.module import AcceleratedModule
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.utils.modeling_offloaded import get_state_dict_offloaded_model, has_offloaded_params
 from lightning_accel.utils.other import extract_model_from_parallel, save
+from lightning_accel.utils.shared_errors import raise_on_every_process, run_where
 
 if TYPE_CHECKING:
     from lightning_accel.accelerator import Accelerator
 
-__all__ = ["CheckpointControl"]
+__all__ = ["CheckpointControl", "check_save_model_arguments"]
+
+
+def check_save_model_arguments(
+    model: object, save_directory: object, max_shard_size: object, safe_serialization: object
+) -> None:
+    """Refuse bad ``save_model`` arguments (call it on every process, before any collective).
+
+    Raises:
+        TypeError: For a ``model`` that is not a module, a ``save_directory`` that is not a path, or a non-boolean
+            ``safe_serialization``.
+        ValueError: For a ``save_directory`` that is a file, or a ``max_shard_size`` that is not a positive size.
+
+    """
+    if not isinstance(model, Module):
+        raise TypeError(f"save_model(model=...) takes a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(save_directory, (str, os.PathLike)):
+        raise TypeError(f"save_model(save_directory={save_directory!r}) takes a path (str or os.PathLike).")
+    if Path(save_directory).is_file():
+        raise ValueError(f"save_model needs a directory, but {os.fspath(save_directory)} is a file.")
+    if not isinstance(safe_serialization, bool):
+        raise TypeError(f"save_model(safe_serialization={safe_serialization!r}) takes True or False.")
+    if not _is_positive_size(max_shard_size):
+        raise ValueError(
+            f"save_model(max_shard_size={max_shard_size!r}) must be a positive number of bytes or a size such as"
+            " '10GB', '500MB' or '1KB'."
+        )
+
+
+def _is_positive_size(size: object) -> bool:
+    """Whether ``size`` is what :func:`~lightning_accel.checkpointing.shard_state_dict` reads, and above zero."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        return False
+    try:
+        checkpointing.shard_state_dict({}, "{suffix}", size)  # parses the size exactly as the writer will
+    except ValueError:
+        return False
+    return size > 0 if isinstance(size, int) else float(size.strip()[:-2]) > 0
 
 
 class CheckpointControl:
@@ -41,6 +88,9 @@ class CheckpointControl:
 
         @property
         def is_main_process(self) -> bool: ...
+
+        @property
+        def is_local_main_process(self) -> bool: ...
 
         def wait_for_everyone(self) -> None: ...
 
@@ -117,15 +167,23 @@ class CheckpointControl:
         """Write the model's weights: ``model.safetensors``, or shards and an index past ``max_shard_size``.
 
         File names and the index are Accelerate's (Hugging Face's), so ``from_pretrained``-style loaders read them.
+        The arguments are checked on every process before any collective, and an error while the main process
+        writes is raised on every process (none is left waiting).
+
+        Raises:
+            TypeError: For a ``model`` that is not a module, or a non-boolean ``safe_serialization``.
+            ValueError: For a ``save_directory`` that is a file, or a ``max_shard_size`` that is not a positive size.
+
         """
-        checkpointing.save_model(
-            self.get_state_dict(model),
-            save_directory,
-            max_shard_size=max_shard_size,
-            safe_serialization=safe_serialization,
-            is_main_process=self.is_main_process,
-        )
-        self.wait_for_everyone()
+        check_save_model_arguments(model, save_directory, max_shard_size, safe_serialization)
+        state = self.get_state_dict(model)  # collective under sharded engines
+
+        def write() -> None:
+            checkpointing.save_model(
+                state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
+            )
+
+        run_where(self.is_main_process, write, "save_model")
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """Save ``obj`` once (per node with ``save_on_each_node``); see :func:`lightning_accel.utils.other.save`."""
@@ -142,10 +200,44 @@ class CheckpointControl:
         Under FSDP and DeepSpeed the engine writes the models and optimizers (sharded or gathered, by the plugin);
         ``save_model_func_kwargs`` go to DeepSpeed's ``save_checkpoint``. Returns the checkpoint directory. See
         :func:`lightning_accel.checkpointing.save_state`.
+
+        Unlike Accelerate's, the save is atomic: the main process chooses the folder and tells the others, everyone
+        writes into ``.<name>.incomplete`` beside it, and the folder gets its name once every process is done (on
+        each node's disk with ``save_on_each_node``); old folders are rotated out only then. See
+        :mod:`lightning_accel._shim.checkpoint_publish`.
         """
-        return checkpointing.save_state(
-            cast("Accelerator", self), output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs
+        config = self.project_configuration
+        chosen: list[Any] = [None, None]
+        if self.is_main_process:
+            try:
+                chosen[0] = choose_target(config, output_dir)
+            except ValueError as err:
+                chosen[1] = err
+        chosen = cast("list[Any]", self.fabric.broadcast(chosen, src=0))
+        raise_on_every_process(chosen[1], "save_state")  # the broadcast already reached every process
+        target = SaveTarget(Path(chosen[0]))
+        self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
+        automatic = config.automatic_checkpoint_naming
+        config.automatic_checkpoint_naming = False  # the files go to the temporary folder, named by us
+        try:
+            checkpointing.save_state(
+                cast("Accelerator", self),
+                target.temporary,
+                safe_serialization=safe_serialization,
+                **save_model_func_kwargs,
+            )
+        finally:
+            config.automatic_checkpoint_naming = automatic
+        self._on_disk_managers(lambda: publish(target), "save_state (publishing the checkpoint)")
+        if automatic:
+            self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
+        return str(target.final)
+
+    def _on_disk_managers(self, action: Callable[[], None], what: str) -> None:
+        other_node_manager = (
+            self.project_configuration.save_on_each_node and self.is_local_main_process and not self.is_main_process
         )
+        on_disk_managers(action, is_main=self.is_main_process, other_node_manager=other_node_manager, what=what)
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, **load_model_func_kwargs: Any) -> str:
         """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.

@@ -29,6 +29,7 @@ from lightning_accel.utils.operations import (
     slice_tensors,
 )
 from lightning_accel.utils.random import synchronize_rng_states
+from lightning_accel.utils.shared_errors import shareable
 
 __all__ = [
     "DataLoaderDispatcher",
@@ -377,8 +378,8 @@ class DataLoaderDispatcher(DataLoaderShard):
     size. Every process builds an iterator of the loader (random generators advance as in Accelerate).
 
     Unlike HF accelerate's, :func:`skip_first_batches` skips dispatched batches (the ones a process sees), for
-    map-style datasets too, and a batch that cannot be concatenated raises on every process instead of stalling the
-    others.
+    map-style datasets too, and a batch that cannot be concatenated, or an exception of the dataset (or collate
+    function) on process 0, raises on every process instead of stalling the others.
 
     Args:
         dataset: The original dataset (not sharded).
@@ -494,6 +495,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         batch: Any = None
         parts: list[Any] = []
         info: list[Any] = [None, self._stopped, None]  # shapes, stopped, error
+        failure: Exception | None = None
         if self.process_index == 0:
             try:
                 for _ in range(1 if self.split_batches else self.num_processes):
@@ -501,8 +503,10 @@ class DataLoaderDispatcher(DataLoaderShard):
                 batch, info = self._joined(parts)
             except StopIteration:
                 info = [None, True, None]
+            except Exception as err:  # the dataset's or collate function's: every process raises it
+                failure, info = err, [None, True, shareable(err)]
         broadcast_object_list(info)
-        _raise_dispatch_error(info[2])
+        _raise_dispatch_error(failure or info[2])
         self._stopped = bool(info[1])
         if self._stopped and not self.split_batches and not self.source_drop_last:
             # The last round may be incomplete: dispatch what was read.
@@ -531,6 +535,9 @@ class DataLoaderDispatcher(DataLoaderShard):
         return batch, [_spec(batch), False, None]
 
 
-def _raise_dispatch_error(message: str | None) -> None:
-    if message is not None:
-        raise RuntimeError(message)
+def _raise_dispatch_error(error: str | BaseException | None) -> None:
+    """Raise what process 0 met while reading (a message of ours, or the dataset's own exception)."""
+    if isinstance(error, BaseException):
+        raise error
+    if error is not None:
+        raise RuntimeError(error)

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_accel.callbacks.rng import gather_rng_states, restore_rng_states, states_for_rank
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.config._validation import check_positive_int
+from lightning_accel.utils.shared_errors import run_where
 
 __all__ = ["CheckpointRotation", "complete_checkpoints", "latest_checkpoint"]
 
@@ -264,14 +265,14 @@ class CheckpointRotation(ModelCheckpoint):
                 logger.after_save_checkpoint(proxy(self))
 
     def _on_managers(self, trainer: pl.Trainer, action: Callable[[], None]) -> None:
-        """Run a filesystem ``action`` on global rank 0, then on the other nodes' local rank 0 if each node saves."""
-        if trainer.is_global_zero:
-            action()
-        trainer.strategy.barrier("CheckpointRotation.global_zero")
+        """Run a filesystem ``action`` on global rank 0, then on the other nodes' local rank 0 if each node saves.
+
+        Collective; an error of the action is raised on every process, so none waits for the one that failed.
+        """
+        run_where(trainer.is_global_zero, action, "CheckpointRotation", lambda: trainer.strategy.barrier("rotation"))
         if self.project_config.save_on_each_node:
-            if self._is_other_node_manager(trainer):
-                action()
-            trainer.strategy.barrier("CheckpointRotation.node_managers")
+            runs_here = self._is_other_node_manager(trainer)
+            run_where(runs_here, action, "CheckpointRotation", lambda: trainer.strategy.barrier("rotation_nodes"))
 
     def _is_other_node_manager(self, trainer: pl.Trainer) -> bool:
         return self.project_config.save_on_each_node and trainer.local_rank == 0 and not trainer.is_global_zero

@@ -53,8 +53,9 @@ def from_lightning(plugin: Any) -> Any:
     if kind in (trainer.Precision, fabric.Precision):
         return FP32Precision()
     if kind in (trainer.MixedPrecision, fabric.MixedPrecision):
-        cls = BF16Precision if plugin.precision == "bf16-mixed" else FP16Precision
-        return cls(device=plugin.device)
+        if plugin.precision == "bf16-mixed":
+            return BF16Precision(device=plugin.device)
+        return FP16Precision(device=plugin.device, scaler=plugin.scaler)  # the user's scaler (or Lightning's default)
     if kind in (trainer.HalfPrecision, fabric.HalfPrecision):
         return BF16Precision(mode="true") if plugin.precision == "bf16-true" else FP16Precision(mode="true")
     return plugin

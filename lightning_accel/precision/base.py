@@ -46,6 +46,11 @@ class AcceleratePrecision(Precision):
             (every ``acc_*`` strategy does), else the current accelerator.
         autocast_kwargs: Accelerate's ``AutocastKwargs`` (``enabled``, ``cache_enabled``).
         scaler_kwargs: Accelerate's ``GradScalerKwargs``; ``None`` means no gradient scaling.
+        scaler: A gradient scaler of the user's, used as it is (instead of one built from ``scaler_kwargs``).
+
+    Raises:
+        ValueError: For an unknown ``mode``, or a ``scaler`` together with ``scaler_kwargs`` or ``mode="true"``.
+        TypeError: For arguments of the wrong type.
 
     """
 
@@ -58,7 +63,9 @@ class AcceleratePrecision(Precision):
         device: str | None = None,
         autocast_kwargs: AutocastKwargs | None = None,
         scaler_kwargs: GradScalerKwargs | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
+        _check_scaler(scaler, scaler_kwargs, mode)
         if mode not in ("mixed", "true"):
             raise ValueError(f"mode must be 'mixed' (autocast) or 'true' (cast the weights), got {mode!r}.")
         if autocast_kwargs is not None and not isinstance(autocast_kwargs, AutocastKwargs):
@@ -69,7 +76,7 @@ class AcceleratePrecision(Precision):
         self.mode: Mode = mode
         self.autocast_kwargs = autocast_kwargs or AutocastKwargs()
         self._scaler_kwargs = scaler_kwargs
-        self.scaler: torch.amp.GradScaler | None = None
+        self.scaler: torch.amp.GradScaler | None = scaler
         self.step_was_skipped = False
         self.device: str | None = None
         self.precision = self._lightning_name()  # type: ignore[assignment]  # one of Lightning's literal names
@@ -201,6 +208,19 @@ class AcceleratePrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+
+def _check_scaler(scaler: object, scaler_kwargs: GradScalerKwargs | None, mode: str) -> None:
+    if scaler is None:
+        return
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"`scaler` must be a torch.amp.GradScaler, got {type(scaler).__name__}.")
+    if scaler_kwargs is not None:
+        raise ValueError(
+            "Got both a `scaler` and `scaler_kwargs`; configure your GradScaler directly, or pass only scaler_kwargs."
+        )
+    if mode != "mixed":
+        raise ValueError(f"mode={mode!r} casts the weights and scales no gradients; drop the scaler or use 'mixed'.")
 
 
 @contextmanager

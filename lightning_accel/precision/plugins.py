@@ -43,17 +43,34 @@ class BF16Precision(AcceleratePrecision):
         super().__init__(torch.bfloat16, mode=mode, device=device, autocast_kwargs=autocast_kwargs)
 
     def check_device(self, device_type: str) -> None:
-        """bf16 runs on CPU; on CUDA it needs a GPU with bf16 support (Ampere or newer).
+        """bf16 runs on CPU; on CUDA it needs a GPU with native bf16 support (Ampere or newer).
 
         Raises:
-            ValueError: On a GPU without bf16 support.
+            ValueError: On a GPU without native bf16 (one that would only emulate it, much slower).
 
         """
-        if device_type == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-            raise ValueError(
-                f"bf16 needs a GPU with bfloat16 support, but {torch.cuda.get_device_name()} has none."
-                " Use fp16 (mixed_precision='fp16' / precision='16-mixed') on this GPU."
+        if device_type == "cuda" and torch.cuda.is_available():
+            problem = cuda_bf16_problem(
+                torch.cuda.get_device_name(), native=torch.cuda.is_bf16_supported(including_emulation=False)
             )
+            if problem is not None:
+                raise ValueError(problem)
+
+
+def cuda_bf16_problem(device_name: str, *, native: bool) -> str | None:
+    """Why bf16 should not run on this GPU (``None`` when it may): torch emulates bf16 where it is not native.
+
+    Args:
+        device_name: The GPU's name, for the message.
+        native: ``torch.cuda.is_bf16_supported(including_emulation=False)``.
+
+    """
+    if native:
+        return None
+    return (
+        f"bf16 needs a GPU with native bfloat16 support (Ampere or newer), but {device_name} would only emulate it,"
+        " which is slower than fp32. Use fp16 (mixed_precision='fp16' / precision='16-mixed') on this GPU."
+    )
 
 
 class FP16Precision(AcceleratePrecision):
@@ -64,6 +81,8 @@ class FP16Precision(AcceleratePrecision):
         device: The device type; ``None`` lets the strategy set it.
         autocast_kwargs: Accelerate's ``AutocastKwargs``.
         scaler_kwargs: Accelerate's ``GradScalerKwargs`` (initial scale, growth, backoff, interval, enabled).
+        scaler: Your own ``torch.amp.GradScaler`` (e.g. from Lightning's ``MixedPrecision(..., scaler=...)``), used
+            as it is instead of one built from ``scaler_kwargs``.
 
     """
 
@@ -75,13 +94,16 @@ class FP16Precision(AcceleratePrecision):
         device: str | None = None,
         autocast_kwargs: AutocastKwargs | None = None,
         scaler_kwargs: GradScalerKwargs | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
+        default_kwargs = GradScalerKwargs() if mode == "mixed" and scaler is None else None
         super().__init__(
             torch.float16,
             mode=mode,
             device=device,
             autocast_kwargs=autocast_kwargs,
-            scaler_kwargs=(scaler_kwargs or GradScalerKwargs()) if mode == "mixed" else None,
+            scaler_kwargs=scaler_kwargs or default_kwargs,
+            scaler=scaler,
         )
 
     def check_device(self, device_type: str) -> None:

@@ -41,9 +41,14 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
+from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.deepspeed_core import DeepSpeedFamily, TrainingFacts, estimated_total_steps
+from lightning_accel.strategies.deepspeed_core import (
+    DeepSpeedFamily,
+    TrainingFacts,
+    estimated_total_steps,
+    process_group_settings,
+)
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
@@ -86,6 +91,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         precision_plugin: Passed to Lightning.
         process_group_backend: The collective backend; by default gloo on CPU and NCCL on CUDA.
         timeout: Process-group timeout.
+        init_kwargs: Accelerate's process-group options; its ``backend`` and ``timeout`` win over the two above.
         remote_device: Where ``deepspeed.zero.Init`` places new parameters (``"cpu"``, ``"nvme"``), ZeRO 3 only.
         load_full_weights: Resume ZeRO 3 from a single full checkpoint file instead of a DeepSpeed directory.
         exclude_frozen_parameters: Leave frozen parameters out of checkpoints.
@@ -115,12 +121,14 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        init_kwargs: InitProcessGroupKwargs | None = None,
         remote_device: str | None = None,
         load_full_weights: bool = False,
         exclude_frozen_parameters: bool = False,
         logging_level: int = logging.WARN,
     ) -> None:
         self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
+        process_group_backend, timeout = process_group_settings(init_kwargs, process_group_backend, timeout)
         super().__init__(
             accelerator=accelerator,
             config=self._family.config,
@@ -346,6 +354,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         precision: FabricPrecision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        init_kwargs: InitProcessGroupKwargs | None = None,
         remote_device: str | None = None,
         load_full_weights: bool = False,
         exclude_frozen_parameters: bool = False,
@@ -353,6 +362,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         gradient_accumulation_steps: int | None = None,
     ) -> None:
         self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
+        process_group_backend, timeout = process_group_settings(init_kwargs, process_group_backend, timeout)
         self._accumulation = _loop_accumulation(self._family.config, gradient_accumulation_steps)
         super().__init__(
             accelerator=accelerator,

@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_accel.config import DeepSpeedPlugin, TorchDynamoPlugin
+from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.utils.compile import apply_dynamo
 from lightning_accel.utils.constants import WEIGHTS_NAME
 
@@ -548,6 +549,36 @@ def _skip_inference_comm_kernel() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def process_group_settings(
+    init_kwargs: InitProcessGroupKwargs | None, backend: str | None, timeout: timedelta | None
+) -> tuple[str | None, timedelta | None]:
+    """The backend and timeout DeepSpeed's process group gets: ``init_kwargs``' where set, else the arguments'.
+
+    ``deepspeed.init_distributed`` (as Lightning calls it) takes a backend and a timeout only, so an ``init_method``
+    is refused rather than dropped.
+
+    Raises:
+        TypeError: If ``init_kwargs`` is not an ``InitProcessGroupKwargs``.
+        ValueError: For an ``init_method``, or a backend set both here and in ``process_group_backend``, differently.
+
+    """
+    if init_kwargs is None:
+        return backend, timeout
+    if not isinstance(init_kwargs, InitProcessGroupKwargs):
+        raise TypeError(f"init_kwargs takes an InitProcessGroupKwargs, got {type(init_kwargs).__name__}.")
+    if init_kwargs.init_method is not None:
+        raise ValueError(
+            f"InitProcessGroupKwargs(init_method={init_kwargs.init_method!r}) cannot reach DeepSpeed's process group,"
+            " which joins the launcher's env:// rendezvous (MASTER_ADDR/MASTER_PORT); drop init_method."
+        )
+    requested = init_kwargs.to_kwargs().get("backend")  # set only when it differs from the dataclass default
+    if requested is not None and backend is not None and requested != backend:
+        raise ValueError(
+            f"InitProcessGroupKwargs(backend={requested!r}) and process_group_backend={backend!r} disagree; set one."
+        )
+    return requested or backend, init_kwargs.timeout if init_kwargs.timeout is not None else timeout
 
 
 def estimated_total_steps(value: float | int) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,25 +38,59 @@ class TrackingMixin:
             init_kwargs: Per tracker name, keyword arguments for its constructor (e.g. ``{"wandb": {"dir": ...}}``).
 
         Raises:
-            ValueError: If a tracker needs a logging directory and none is configured.
+            ValueError: On every process, if a tracker needs a logging directory and none is configured.
+            TypeError: On every process, if ``init_kwargs`` does not map names to dictionaries or a tracker's
+                constructor does not take its keywords.
 
         """
+        # Checked on every process: the main process raising alone would leave the others waiting in a collective.
+        check_logging_dir(self.log_with, self.logging_dir)
+        calls = self._tracker_calls(project_name, init_kwargs)
         if not PartialState().is_main_process:
             return
-        check_logging_dir(self.log_with, self.logging_dir)
-        init_kwargs = init_kwargs or {}
         for item in self.log_with:
             if isinstance(item, GeneralTracker):
                 self.trackers.append(item)
                 continue
-            tracker_cls = LOGGER_TYPE_TO_CLASS[item]
-            args = (project_name, self.logging_dir) if tracker_cls.requires_logging_directory else (project_name,)
-            self.trackers.append(tracker_cls(*args, **init_kwargs.get(item, {})))
+            args, kwargs = calls[item]
+            self.trackers.append(LOGGER_TYPE_TO_CLASS[item](*args, **kwargs))
         for tracker in self.trackers:
             tracker.start()
         if config is not None:
             for tracker in self.trackers:
                 tracker.store_init_configuration(config)
+
+    def _tracker_calls(
+        self, project_name: str, init_kwargs: Mapping[str, Mapping[str, Any]] | None
+    ) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+        """Each named tracker's constructor arguments, bound to its signature (so a wrong keyword fails everywhere).
+
+        Raises:
+            TypeError: If ``init_kwargs`` does not map names to dictionaries, or a tracker does not take them.
+
+        """
+        if init_kwargs is not None and not (
+            isinstance(init_kwargs, Mapping) and all(isinstance(v, Mapping) for v in init_kwargs.values())
+        ):
+            raise TypeError(
+                f"init_trackers(init_kwargs={init_kwargs!r}) maps tracker names to keyword dictionaries, e.g."
+                " {'wandb': {'dir': 'runs'}}."
+            )
+        calls = {}
+        for item in self.log_with:
+            if isinstance(item, GeneralTracker):
+                continue
+            tracker_cls = LOGGER_TYPE_TO_CLASS[item]
+            args = (project_name, self.logging_dir) if tracker_cls.requires_logging_directory else (project_name,)
+            kwargs = dict((init_kwargs or {}).get(item, {}))
+            try:
+                inspect.signature(tracker_cls).bind(*args, **kwargs)
+            except TypeError as err:
+                raise TypeError(
+                    f"init_trackers(init_kwargs={{{item!r}: {kwargs!r}}}) does not fit {tracker_cls.__name__}: {err}."
+                ) from None
+            calls[item] = (args, kwargs)
+        return calls
 
     def log(
         self,
