@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+from lightning_accel.cli import main
 from tests.helpers import clean_env, run_python
 
 FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
@@ -43,8 +45,11 @@ def test_test_command_fails_when_the_launch_fails(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     assert "2 machines need main_process_ip" in proc.stderr  # the launcher's reason
     assert "The self-check failed (exit status 2)" in proc.stdout and "success" not in proc.stdout
-    proc = _run(tmp_path, "test", "--config_file", str(tmp_path / "missing.yaml"))
-    assert proc.returncode == 2 and "missing.yaml' does not exist" in proc.stderr
+
+
+def test_test_command_needs_an_existing_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["test", "--config_file", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml' does not exist" in capsys.readouterr().err
 
 
 def test_launch_quiet_leaves_out_the_failure_summary(tmp_path: Path) -> None:
