@@ -181,9 +181,14 @@ def split_handlers(handlers: Sequence[KwargsHandler] | None) -> dict[str, Kwargs
     return found
 
 
-def _accepted(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``options`` that ``cls.__init__`` takes: a handler applies only where its settings mean something."""
+def _accepted(cls: type, options: Mapping[str, Any], *, open_kwargs: bool = False) -> dict[str, Any]:
+    """The ``options`` that ``cls.__init__`` takes: a handler applies only where its settings mean something.
+
+    With ``open_kwargs``, a class taking ``**kwargs`` takes every option (it says itself which it refuses).
+    """
     parameters = inspect.signature(cls).parameters
+    if open_kwargs and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(options)
     return {name: value for name, value in options.items() if name in parameters}
 
 
@@ -222,7 +227,7 @@ def build_fabric(
     given = {name: value for name, value in plugins.items() if value is not None}
     loop = {"gradient_accumulation_steps": GradientState().num_steps}
     entry = _strategy_entry(dtype, given)
-    strategy_options = _accepted(entry.fabric_cls, given)
+    strategy_options = _accepted(entry.fabric_cls, given, open_kwargs=True)
     refused = sorted(set(given) - set(strategy_options))
     if refused:
         raise ValueError(
