@@ -129,3 +129,35 @@ def test_sigkill_during_save_state_leaves_the_previous_state_loadable(tmp_path: 
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_1"]
     assert {p.name for p in (checkpoints / "checkpoint_1").iterdir()} >= {"model.safetensors", "optimizer.bin"}
     assert {p.name for p in (checkpoints / "checkpoint_1").iterdir()} >= {"random_states_0.pkl", "random_states_1.pkl"}
+
+
+def _launch_restartable(project: Path, out: Path, *extra: str) -> None:
+    run_python(
+        [
+            "-m",
+            "lightning_accel.cli",
+            "launch",
+            "--config_file",
+            str(Path(__file__).parent / "fixtures" / "accelerate_configs" / "multi_cpu.yaml"),
+            "--max_restarts=1",
+            "--monitor_interval=1",
+            str(SCRIPTS / "faults_restart.py"),
+            f"--project={project}",
+            f"--out={out}",
+            *extra,
+        ],
+        240,
+    )
+
+
+def test_a_killed_worker_restarts_and_the_run_ends_bit_identical(tmp_path: Path) -> None:
+    """SIGKILL of one worker mid-run: the launcher restarts both, they resume from the newest complete checkpoint."""
+    import torch
+
+    _launch_restartable(tmp_path / "plain", tmp_path / "plain.pt")
+    _launch_restartable(tmp_path / "killed", tmp_path / "killed.pt", "--kill-at-step=5")
+    plain, killed = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "killed.pt")
+    assert plain.keys() == killed.keys()
+    for key in plain:
+        assert torch.equal(plain[key], killed[key]), key
+    assert [p.name for p in sorted((tmp_path / "killed" / "checkpoints").iterdir())] == ["checkpoint_4", "checkpoint_5"]

@@ -98,3 +98,25 @@ def test_the_accelerator_passes_init_process_group_kwargs_to_deepspeed() -> None
         assert accelerator.fabric.strategy._process_group_backend == "gloo"
     finally:
         reset_accelerator_states()
+
+
+def test_patching_a_private_lightning_member_checks_that_it_exists() -> None:
+    import lightning
+    import lightning.pytorch as pl
+
+    from lightning_accel.callbacks._patching import InstancePatch
+    from lightning_accel.utils.lightning_internals import lightning_private
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    loop = trainer.fit_loop.epoch_loop
+    original = loop._should_accumulate
+    patch = InstancePatch(loop, "_should_accumulate", lambda: True)
+    assert loop._should_accumulate() is True
+    patch.restore()
+    assert loop._should_accumulate == original
+    with pytest.raises(RuntimeError, match=rf"_renamed_in_a_future_release.*lightning=={lightning.__version__}"):
+        InstancePatch(loop, "_renamed_in_a_future_release", lambda: True)
+    assert "_renamed_in_a_future_release" not in vars(loop)
+    with pytest.raises(RuntimeError, match="_checkpoint_connectr"):
+        lightning_private(trainer, "_checkpoint_connectr")
+    assert lightning_private(trainer, "_checkpoint_connector") is trainer._checkpoint_connector

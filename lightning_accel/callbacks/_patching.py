@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_accel.utils.lightning_internals import lightning_private
+
 _MISSING = object()
 
 
@@ -18,9 +20,14 @@ class InstancePatch:
         name: The attribute to replace.
         replacement: The new value (usually a function closing over the original bound method).
 
+    Raises:
+        RuntimeError: If ``name`` is private (``_...``) and ``target`` lacks it: the Lightning version changed it.
+
     """
 
     def __init__(self, target: object, name: str, replacement: Any) -> None:
+        if name.startswith("_"):
+            lightning_private(target, name)  # a private member Lightning may rename: fail clearly if it did
         self._target = target
         self._name = name
         self._replacement = replacement

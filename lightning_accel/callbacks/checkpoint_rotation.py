@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_accel.callbacks.rng import gather_rng_states, restore_rng_states, states_for_rank
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.config._validation import check_positive_int
+from lightning_accel.utils.lightning_internals import lightning_private
 from lightning_accel.utils.shared_errors import run_where
 
 __all__ = ["CheckpointRotation", "complete_checkpoints", "latest_checkpoint"]
@@ -237,7 +238,7 @@ class CheckpointRotation(ModelCheckpoint):
         return str(final)
 
     def _write(self, trainer: pl.Trainer, temporary: Path) -> None:
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = lightning_private(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)
         trainer.strategy.save_checkpoint(checkpoint, temporary)
         trainer.strategy.barrier("CheckpointRotation.write")
         if self._is_other_node_manager(trainer) and not temporary.exists():
@@ -285,7 +286,7 @@ class CheckpointRotation(ModelCheckpoint):
         )
 
     def _warn_if_mid_window(self, trainer: pl.Trainer) -> None:
-        if self._warned_mid_window or not trainer.fit_loop._should_accumulate():
+        if self._warned_mid_window or not lightning_private(trainer.fit_loop, "_should_accumulate")():
             return
         self._warned_mid_window = True
         rank_zero_warn(

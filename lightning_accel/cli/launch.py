@@ -181,6 +181,10 @@ def run_plan(plan: LaunchPlan) -> int:
 
     args = torchrun.get_args_parser().parse_args(list(plan.torchrun_args))
     os.environ.update(plan.env)
+    # A restart must not find the last attempt's keys: with the rendezvous store shared with the workers (torch's
+    # default), the restarted workers' gloo/NCCL mesh can read a dead worker's address from it and fail with
+    # "connectFullMesh failed ... Connection refused". Unshared, every rendezvous round gets a fresh store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun.run(args)
     except ChildFailedError as err:
