@@ -401,7 +401,8 @@ def test_state_pre_hooks_can_take_over_models(tmp_path: Path) -> None:
     calls: list[str] = []
 
     def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
-        calls.append(f"save {len(models)} {Path(output_dir).name}")
+        calls.append(f"save {len(models)}")
+        Path(output_dir, "extra.txt").write_text("hook")  # lands in the checkpoint once it is complete
         weights.pop()
 
     def load_hook(models: list[Any], input_dir: str) -> None:
@@ -412,11 +413,12 @@ def test_state_pre_hooks_can_take_over_models(tmp_path: Path) -> None:
     accelerator.register_load_state_pre_hook(load_hook)
     accelerator.save_state(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt" / "model.safetensors").exists()
+    assert (tmp_path / "ckpt" / "extra.txt").read_text() == "hook"
     accelerator.load_state(tmp_path / "ckpt")  # the hook took the model: no weights file needed
     handle.remove()
     accelerator.save_state(tmp_path / "again")
     assert (tmp_path / "again" / "model.safetensors").is_file()
-    assert calls == ["save 1 ckpt", "load 1 ckpt"]
+    assert calls == ["save 1", "load 1 ckpt"]
     assert set(accelerator.get_state_dict(model)) == {"weight", "bias"}
 
 

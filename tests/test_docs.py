@@ -52,6 +52,8 @@ PUBLIC_MODULES = (
     "lightning_accel.big_modeling",
     "lightning_accel.hooks",
     "lightning_accel.launchers",
+    "lightning_accel.local_sgd",
+    "lightning_accel.inference",
     "lightning_accel.parallelism_config",
     "lightning_accel.cli",
 )
