@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of this repository in one command, for a session that is lent a GPU machine (the device tool's
-# `run`; see /work/.library/device/README.md). That machine has torch, lightning, pytest and accelerate but no
+# `run`; see the device tool's README). That machine has torch, lightning, pytest and accelerate but no
 # internet, and lacks deepspeed, torchao and pydantic/hjson (deepspeed's needs): they travel as wheels in .whl/.
 #
 # 1. Here, where pip reaches the package registries, once per checkout (builds .whl/, ~9 MiB, git-ignored):
-#        PYTHON=/work/venv/bin/python bash benchmarks/gpu_session.sh prepare
+#        PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh prepare
 # 2. On the device, as one call:
 #        run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
 #
