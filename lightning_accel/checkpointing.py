@@ -22,47 +22,67 @@ Under FSDP and DeepSpeed the engine writes the models and optimizers itself, und
 (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, ``pytorch_model_fsdp.bin`` and ``optimizer.bin``, or DeepSpeed's
 ``pytorch_model/``): see :mod:`lightning_accel._shim.sharded_checkpoint`. As in Accelerate, the save hooks then get no
 weights and the load hooks no models.
+
+Accelerate's lower-level functions, with its signatures: :func:`save_accelerator_state` / :func:`load_accelerator_state`
+(given state dicts, optimizers, schedulers, loaders, a scaler and the RNG states) and :func:`save_custom_state` /
+:func:`load_custom_state` (one registered object). ``save_state`` and ``load_state`` write and read their files with the
+same helpers.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
-import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from lightning_accel._shim.loader_checkpoint import loader_positions, restore_loaders, save_loader_states
+from lightning_accel._shim.loader_checkpoint import (
+    loader_positions,
+    restore_loaders,
+    save_loader_states,
+    state_file_name,
+)
 from lightning_accel._shim.sharded_checkpoint import EngineCheckpoint, engine_checkpoint
+from lightning_accel.logging import get_logger
+from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import (
-    MODEL_NAME,
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
-    SAFE_MODEL_NAME,
-    SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
+    SAMPLER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
-    WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
 )
+from lightning_accel.utils.model_shards import match_wrapper_prefix, save_model, shard_state_dict
+from lightning_accel.utils.model_shards import without_shared_storage as _without_shared_storage
+from lightning_accel.utils.other import get_pretty_name, load, save
+from lightning_accel.utils.random import get_rng_states, set_rng_states
 
 if TYPE_CHECKING:
     from lightning_accel.accelerator import Accelerator
 
-__all__ = ["checkpoint_folders", "load_state", "save_model", "save_state", "shard_state_dict"]
+__all__ = [
+    "checkpoint_folders",
+    "load_accelerator_state",
+    "load_custom_state",
+    "load_state",
+    "save_accelerator_state",
+    "save_custom_state",
+    "save_model",
+    "save_state",
+    "shard_state_dict",
+]
+
+logger = get_logger(__name__)
 
 _CHECKPOINT_FOLDER = re.compile(r"^checkpoint_(\d+)$")
 _CUSTOM_FILE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
-_WRAPPER_PREFIX = "module."
 
 
 def _indexed(name: str, index: int) -> str:
@@ -151,7 +171,7 @@ def save_state(
         _save_shared(accelerator, target, safe_serialization, engine is None)
     accelerator.wait_for_everyone()
     target.mkdir(parents=True, exist_ok=True)
-    states = {**_rng_states(accelerator.step), **loader_positions(accelerator._dataloaders)}
+    states = {**get_rng_states(accelerator.step), **loader_positions(accelerator._dataloaders)}
     torch.save(states, target / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
     accelerator.wait_for_everyone()
     if accelerator.project_configuration.automatic_checkpoint_naming and accelerator.is_main_process:
@@ -188,7 +208,20 @@ def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: boo
     user_models = [model.module for model in models]  # hooks see the users' modules, as Accelerate's do
     for hook in list(accelerator._save_state_pre_hooks.values()):
         hook(user_models, weights, str(target))  # a hook may pop entries to save them its own way
-    for i, state in enumerate(weights):
+    _write_weights(weights, target, safe_serialization)
+    _write_state_dicts(accelerator._optimizers if own_weights else [], target, OPTIMIZER_NAME)
+    _write_state_dicts(accelerator._schedulers, target, SCHEDULER_NAME)
+    scaler = getattr(accelerator.fabric.strategy.precision, "scaler", None)
+    if scaler is not None:
+        torch.save(scaler.state_dict(), target / SCALER_NAME)
+    save_loader_states(accelerator._dataloaders, target)
+    for i, obj in enumerate(accelerator._custom_objects):
+        torch.save(obj.state_dict(), _custom_file(target, i))
+
+
+def _write_weights(states: Sequence[Mapping[str, Any]], target: Path, safe_serialization: bool) -> None:
+    """``model.safetensors`` (``model_{i}.safetensors``; one name per shared storage) or ``pytorch_model.bin``."""
+    for i, state in enumerate(states):
         if safe_serialization:
             from safetensors.torch import save_file
 
@@ -196,16 +229,16 @@ def _save_shared(accelerator: Accelerator, target: Path, safe_serialization: boo
             save_file(tensors, target / _indexed(SAFE_WEIGHTS_NAME, i), metadata={"format": "pt"})
         else:
             torch.save(state, target / _indexed(WEIGHTS_NAME, i))
-    for i, optimizer in enumerate(accelerator._optimizers if own_weights else []):
-        torch.save(optimizer.state_dict(), target / _indexed(f"{OPTIMIZER_NAME}.bin", i))
-    for i, scheduler in enumerate(accelerator._schedulers):
-        torch.save(scheduler.state_dict(), target / _indexed(f"{SCHEDULER_NAME}.bin", i))
-    scaler = getattr(accelerator.fabric.strategy.precision, "scaler", None)
-    if scaler is not None:
-        torch.save(scaler.state_dict(), target / SCALER_NAME)
-    save_loader_states(accelerator._dataloaders, target)
-    for i, obj in enumerate(accelerator._custom_objects):
-        torch.save(obj.state_dict(), target / f"custom_checkpoint_{i}.pkl")
+
+
+def _write_state_dicts(objects: Sequence[Any], target: Path, stem: str) -> None:
+    """``{stem}.bin``, ``{stem}_1.bin``, ...: each object's ``state_dict()`` (optimizers, schedulers)."""
+    for i, obj in enumerate(objects):
+        torch.save(obj.state_dict(), target / _indexed(f"{stem}.bin", i))
+
+
+def _custom_file(folder: str | os.PathLike[str], index: int) -> Path:
+    return Path(folder) / f"custom_checkpoint_{index}.pkl"
 
 
 def _refuse_sharded(models: list[torch.nn.Module]) -> None:
@@ -226,19 +259,6 @@ def _refuse_sharded(models: list[torch.nn.Module]) -> None:
         )
 
 
-def _rng_states(step: int) -> dict[str, Any]:
-    """The generator states of this process, under Accelerate's keys (numpy's as ``np.random.get_state()``)."""
-    states: dict[str, Any] = {
-        "step": step,
-        "random_state": random.getstate(),
-        "numpy_random_seed": np.random.get_state(),
-        "torch_manual_seed": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    return states
-
-
 def _rotate(root: Path, total_limit: int | None) -> None:
     """Delete the oldest ``checkpoint_N`` folders so that ``total_limit`` remain (the newest was just written)."""
     if total_limit is None:
@@ -257,15 +277,9 @@ def _read(path: Path, reader: Callable[[Path], Any]) -> Any:
         ) from err
 
 
-def _torch_load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _rng_load(path: Path) -> Any:
-    reconstruct = importlib.import_module("numpy._core.multiarray")._reconstruct
-    allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType, reconstruct]  # what numpy's RNG state pickles
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
+def _torch_load(path: Path, map_location: Any = "cpu", **load_kwargs: Any) -> Any:
+    """``torch.load`` with ``weights_only`` and numpy's types allowed (:func:`lightning_accel.utils.other.load`)."""
+    return load(path, map_location=map_location, **load_kwargs)
 
 
 def _source_dir(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None) -> Path:
@@ -316,45 +330,54 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
         engine.load(accelerator._models, accelerator._optimizers, source, **engine_kwargs)
     for i, model in enumerate(models):
         _load_model(model, source, i)
-    for i, optimizer in enumerate(accelerator._optimizers if engine is None else []):
-        optimizer.load_state_dict(_read(source / _indexed(f"{OPTIMIZER_NAME}.bin", i), _torch_load))
-    for i, scheduler in enumerate(accelerator._schedulers):
-        scheduler.load_state_dict(_read(source / _indexed(f"{SCHEDULER_NAME}.bin", i), _torch_load))
+    _load_state_dicts(accelerator._optimizers if engine is None else [], source, OPTIMIZER_NAME)
+    _load_state_dicts(accelerator._schedulers, source, SCHEDULER_NAME)
     _load_custom_objects(accelerator._custom_objects, source)
     _load_rng_and_loaders(accelerator, source)
     _restore_save_counter(accelerator, source)
     return str(source)
 
 
-def _load_model(module: torch.nn.Module, source: Path, index: int) -> None:
+def _load_model(
+    module: torch.nn.Module, source: Path, index: int, map_location: Any = "cpu", **load_model_func_kwargs: Any
+) -> Any:
+    """Load model ``index``'s weights (safetensors first, else ``pytorch_model.bin``) into ``module``.
+
+    A wrapper's ``module.`` prefix is added or stripped to match. Without ``load_model_func_kwargs`` every key must
+    match but the tied aliases safetensors leaves out; with them, ``module.load_state_dict`` applies its own rules.
+
+    Raises:
+        ValueError: For a missing or unreadable file, or (without ``load_model_func_kwargs``) keys that do not match.
+
+    """
     safe, plain = source / _indexed(SAFE_WEIGHTS_NAME, index), source / _indexed(WEIGHTS_NAME, index)
     if safe.is_file():
         from safetensors.torch import load_file
 
-        state = _read(safe, lambda p: load_file(p, device="cpu"))
+        state = _read(safe, lambda p: load_file(p, device=str(map_location)))
     elif plain.is_file():
-        state = _read(plain, _torch_load)
+        state = _read(plain, lambda p: torch.load(p, map_location=map_location, weights_only=True))
     else:
         raise ValueError(f"Checkpoint {source} has no weights for model {index}: expected {safe.name} or {plain.name}.")
     own = module.state_dict()
-    state = _match_wrapper_prefix(state, own.keys())
+    state = match_wrapper_prefix(state, own.keys())
+    if load_model_func_kwargs:
+        return module.load_state_dict(state, **load_model_func_kwargs)
     aliases = set(own) - set(_without_shared_storage(own))  # safetensors keeps one name per tied storage
     result = module.load_state_dict(state, strict=False)
     problems = sorted(set(result.missing_keys) - aliases) + sorted(result.unexpected_keys)
     if problems:
         raise ValueError(f"Checkpoint {source} does not match model {index}: missing or unexpected {problems}.")
+    return result
 
 
-def _match_wrapper_prefix(state: Mapping[str, Any], expected: Any) -> dict[str, Any]:
-    """Add or strip a wrapper's ``module.`` prefix (weights saved from a wrapped model by other tools)."""
-    keys = set(expected)
-    if set(state) == keys:
-        return dict(state)
-    if all(k.startswith(_WRAPPER_PREFIX) for k in keys):
-        return {f"{_WRAPPER_PREFIX}{k}": v for k, v in state.items()}
-    if all(k.startswith(_WRAPPER_PREFIX) for k in state):
-        return {k[len(_WRAPPER_PREFIX) :]: v for k, v in state.items()}
-    return dict(state)
+def _load_state_dicts(
+    objects: Sequence[Any], source: Path, stem: str, map_location: Any = "cpu", **load_kwargs: Any
+) -> None:
+    """Load ``{stem}.bin``, ``{stem}_1.bin``, ... into each object (``load_state_dict``)."""
+    for i, obj in enumerate(objects):
+        path = source / _indexed(f"{stem}.bin", i)
+        obj.load_state_dict(_read(path, lambda p: _torch_load(p, map_location, **load_kwargs)))
 
 
 def _load_custom_objects(objects: list[Any], source: Path) -> None:
@@ -364,14 +387,13 @@ def _load_custom_objects(objects: list[Any], source: Path) -> None:
             f"Checkpoint {source} holds {len(files)} custom_checkpoint_<i>.pkl files but {len(objects)} objects are"
             " registered; call register_for_checkpointing with the same objects, in the same order, as when saving."
         )
-    for (_, path), obj in zip(files, objects, strict=True):
-        # Registered objects may hold any picklable state, as in Accelerate: load only checkpoints you trust.
-        obj.load_state_dict(_read(path, lambda p: torch.load(p, map_location="cpu", weights_only=False)))
+    for (index, _), obj in zip(files, objects, strict=True):
+        load_custom_state(obj, source, index)
 
 
 def _load_rng_and_loaders(accelerator: Accelerator, source: Path) -> None:
     path = source / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl"
-    states = _read(path, _rng_load) if path.is_file() else None
+    states = _read(path, _torch_load) if path.is_file() else None
     restore_loaders(accelerator._dataloaders, source, states, lambda p: _read(p, _torch_load))
     if states is None:
         warnings.warn(
@@ -379,11 +401,7 @@ def _load_rng_and_loaders(accelerator: Accelerator, source: Path) -> None:
         )
         return
     accelerator.step = int(states.get("step", 0))
-    random.setstate(states["random_state"])
-    np.random.set_state(states["numpy_random_seed"])
-    torch.set_rng_state(states["torch_manual_seed"])
-    if "torch_cuda_manual_seed" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    set_rng_states(states)
 
 
 def _restore_save_counter(accelerator: Accelerator, source: Path) -> None:
@@ -398,112 +416,172 @@ def _restore_save_counter(accelerator: Accelerator, source: Path) -> None:
         config.iteration = max(config.iteration, max(numbers) + 1)
 
 
-_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
-_SHARD_FILE = re.compile(r".*-\d{5}-of-\d{5}")
+def save_accelerator_state(
+    output_dir: str | os.PathLike[str],
+    model_states: list[dict[str, Any]],
+    optimizers: list[Any],
+    schedulers: list[Any],
+    dataloaders: list[Any],
+    process_index: int,
+    step: int,
+    scaler: Any = None,
+    save_on_each_node: bool = False,
+    safe_serialization: bool = True,
+) -> Path:
+    """Accelerate's ``save_accelerator_state``: write states into ``output_dir`` under Accelerate's file names.
 
+    Every process calls it. The main process (each node's with ``save_on_each_node``) writes ``model.safetensors``
+    (``model_{i}.safetensors``, or ``pytorch_model.bin`` without ``safe_serialization``) from ``model_states``,
+    ``optimizer.bin``, ``scheduler.bin``, ``sampler.bin`` (a seedable sampler over an ``IterableDatasetShard``),
+    ``dl_state_dict.bin`` (loaders with ``use_stateful_dataloader``) and ``scaler.pt``; each process writes
+    ``random_states_{process_index}.pkl`` (``step`` and the Python, numpy, torch and CUDA generator states). The
+    contents are Accelerate's; Accelerate has every process write the loader and scaler files, here one does.
 
-def _size_in_bytes(size: int | str) -> int:
-    """``"10GB"`` -> ``10 * 10**9`` (decimal units, as Hugging Face uses); ints are bytes."""
-    if isinstance(size, int):
-        return size
-    text = size.strip()
-    unit = text[-2:].upper()
-    try:
-        return int(float(text[:-2]) * _SIZE_UNITS[unit])
-    except (KeyError, ValueError):
-        raise ValueError(f"max_shard_size={size!r} is not a size; use bytes or e.g. '10GB', '500MB', '1KB'.") from None
-
-
-def shard_state_dict(
-    state: Mapping[str, torch.Tensor], pattern: str, max_shard_size: int | str
-) -> dict[str, list[str]]:
-    """Split ``state`` into files of at most ``max_shard_size`` bytes, as Hugging Face Hub names and fills them.
-
-    Tensors are taken in order and a new shard starts when the next tensor would overflow the current one; a tensor
-    larger than the limit gets a shard of its own. One shard is named ``pattern.format(suffix="")``, several
-    ``pattern.format(suffix="-00001-of-00003")``, ...
+    Args:
+        output_dir: The folder (it must exist, as in Accelerate).
+        model_states: The models' state dicts (e.g. ``accelerator.get_state_dict(model)``).
+        optimizers: Optimizers (their ``state_dict()`` is saved).
+        schedulers: Learning-rate schedulers.
+        dataloaders: Data loaders, for their sampler or stateful-loader state.
+        process_index: This process's index, in the random-states file name.
+        step: The step counter saved with the random states.
+        scaler: A ``torch.amp.GradScaler`` to save.
+        save_on_each_node: Write the shared files on every node (node-local disks).
+        safe_serialization: Weights as safetensors (one name per shared storage) instead of ``torch.save``.
 
     Returns:
-        File name -> tensor names, in order.
+        ``output_dir`` as a ``Path``.
 
     """
-    limit = _size_in_bytes(max_shard_size)
-    shards: list[list[str]] = []
-    current: list[str] = []
-    current_size = 0
-    for name, tensor in state.items():
-        size = tensor.numel() * tensor.element_size()
-        if size > limit:
-            shards.append([name])
-            continue
-        if current and current_size + size > limit:
-            shards.append(current)
-            current, current_size = [], 0
-        current.append(name)
-        current_size += size
-    if current:
-        shards.append(current)
-    if len(shards) <= 1:
-        return {pattern.format(suffix=""): shards[0] if shards else []}
-    return {pattern.format(suffix=f"-{i + 1:05d}-of-{len(shards):05d}"): names for i, names in enumerate(shards)}
+    target = Path(output_dir)
+    state = PartialState()
+    if state.is_local_main_process if save_on_each_node else state.is_main_process:
+        _write_weights(model_states, target, safe_serialization)
+        _write_state_dicts(optimizers, target, OPTIMIZER_NAME)
+        _write_state_dicts(schedulers, target, SCHEDULER_NAME)
+        _write_loader_files(dataloaders, target)
+        if scaler is not None:
+            torch.save(scaler.state_dict(), target / SCALER_NAME)
+    torch.save(get_rng_states(step), target / f"{RNG_STATE_NAME}_{process_index}.pkl")
+    logger.info(f"Accelerator state saved in {target}", main_process_only=False)
+    return target
 
 
-def _without_shared_storage(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keep the first name of tensors that share storage (safetensors refuses shared tensors)."""
-    seen: set[tuple[int, int]] = set()
-    kept = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-        if key in seen and tensor.numel() > 0:
-            continue
-        seen.add(key)
-        kept[name] = tensor
-    return kept
+def _iterable_seedable_sampler(dataloader: Any) -> Any:
+    """The seedable sampler of a loader over an ``IterableDatasetShard`` (what Accelerate saves), else ``None``."""
+    from lightning_accel.data_loader import IterableDatasetShard, SeedableRandomSampler, get_sampler
+
+    if not isinstance(getattr(dataloader, "dataset", None), IterableDatasetShard):
+        return None
+    sampler = dataloader.get_sampler() if hasattr(dataloader, "get_sampler") else get_sampler(dataloader)
+    return sampler if isinstance(sampler, SeedableRandomSampler) else None
 
 
-def save_model(
-    state: Mapping[str, torch.Tensor],
-    save_directory: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str = "10GB",
-    safe_serialization: bool = True,
-    is_main_process: bool = True,
-) -> None:
-    """Write ``state`` as ``model.safetensors`` (or ``pytorch_model.bin``), sharded with an index past the limit.
+def _set_sampler(dataloader: Any, sampler: Any) -> None:
+    """Put ``sampler`` back under the loader's batch sampler (Accelerate's loaders' ``set_sampler``)."""
+    if hasattr(dataloader, "set_sampler"):
+        dataloader.set_sampler(sampler)
+    else:  # a map-style loader's batch sampler (or a BatchSampler used as the sampler) holds it
+        holder = dataloader.batch_sampler if hasattr(dataloader.batch_sampler, "sampler") else dataloader.sampler
+        holder.sampler = sampler
 
-    Stale shard files of an earlier save in ``save_directory`` are removed.
+
+def _write_loader_files(dataloaders: Sequence[Any], target: Path) -> None:
+    for i, dataloader in enumerate(dataloaders):
+        sampler = _iterable_seedable_sampler(dataloader)
+        if sampler is not None:
+            torch.save(sampler, target / _indexed(f"{SAMPLER_NAME}.bin", i))
+        if getattr(dataloader, "use_stateful_dataloader", False):
+            torch.save(dataloader.state_dict(), target / state_file_name(i))
+
+
+def load_accelerator_state(
+    input_dir: str | os.PathLike[str],
+    models: list[torch.nn.Module],
+    optimizers: list[Any],
+    schedulers: list[Any],
+    dataloaders: list[Any],
+    process_index: int,
+    scaler: Any = None,
+    map_location: str | None = None,
+    load_kwargs: dict[str, Any] | None = None,
+    **load_model_func_kwargs: Any,
+) -> dict[str, Any]:
+    """Accelerate's ``load_accelerator_state``: restore what :func:`save_accelerator_state` (or Accelerate) wrote.
+
+    Models get ``model.safetensors`` (else ``pytorch_model.bin``; a wrapper's ``module.`` prefix is matched),
+    optimizers, schedulers, loaders, the scaler and this process's random states their files. Unlike Accelerate, a
+    missing random-states file warns and an unreadable one raises (Accelerate logs and goes on either way), and every
+    other unreadable or missing file raises a ``ValueError`` naming it.
+
+    Args:
+        input_dir: The checkpoint folder.
+        models: The models to load into.
+        optimizers: The optimizers to load into.
+        schedulers: The schedulers to load into.
+        dataloaders: The loaders whose sampler or stateful state to restore.
+        process_index: This process's index (which random-states file to read).
+        scaler: A ``torch.amp.GradScaler`` to restore.
+        map_location: Where the weights and optimizer states are loaded: ``None`` or ``"cpu"`` (CPU), or
+            ``"on_device"`` (this process's device).
+        load_kwargs: Keyword arguments for the ``torch.load`` of the optimizer, scheduler and loader files.
+        **load_model_func_kwargs: Passed to each model's ``load_state_dict`` (e.g. ``strict=False``); without them
+            every key must match except the tied aliases safetensors leaves out.
+
+    Returns:
+        The ``Accelerator`` attributes to set: ``{"step": ...}`` when the random states hold it.
 
     Raises:
-        ValueError: If ``save_directory`` is a file, or ``max_shard_size`` is not a size.
+        TypeError: For another ``map_location``.
+        ValueError: For a missing or unreadable file, or weights that do not match a model.
 
     """
-    directory = Path(save_directory)
-    if directory.is_file():
-        raise ValueError(f"save_model needs a directory, but {directory} is a file.")
-    if not is_main_process:
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    if safe_serialization:
-        state = _without_shared_storage(state)
-    pattern = f"{SAFE_MODEL_NAME}{{suffix}}.safetensors" if safe_serialization else f"{MODEL_NAME}{{suffix}}.bin"
-    shards = shard_state_dict(state, pattern, max_shard_size)
-    stem = pattern.split("{")[0]
-    for old in directory.iterdir():
-        stale = old.is_file() and old.name.startswith(stem) and old.name not in shards
-        if stale and _SHARD_FILE.fullmatch(old.name.rsplit(".", 1)[0]):
-            old.unlink()
-    for filename, names in shards.items():
-        shard = {name: state[name] for name in names}
-        if safe_serialization:
-            from safetensors.torch import save_file
+    if map_location not in (None, "cpu", "on_device"):
+        raise TypeError(
+            "Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or `'on_device'`"
+        )
+    location: Any = PartialState().device if map_location == "on_device" else "cpu"
+    extra = dict(load_kwargs or {})
+    source = Path(input_dir)
+    for i, model in enumerate(models):
+        _load_model(model, source, i, location, **load_model_func_kwargs)
+    _load_state_dicts(optimizers, source, OPTIMIZER_NAME, location, **extra)
+    _load_state_dicts(schedulers, source, SCHEDULER_NAME, None, **extra)  # Accelerate maps the optimizers only
+    for i, dataloader in enumerate(dataloaders):
+        if _iterable_seedable_sampler(dataloader) is not None:
+            path = source / _indexed(f"{SAMPLER_NAME}.bin", i)
+            _set_sampler(dataloader, _read(path, lambda p: torch.load(p, weights_only=False)))  # a pickled sampler
+        state_file = source / state_file_name(i)
+        if getattr(dataloader, "use_stateful_dataloader", False) and state_file.is_file():
+            dataloader.load_state_dict(_read(state_file, lambda p: _torch_load(p, None, **extra)))
+    if scaler is not None:
+        scaler.load_state_dict(_read(source / SCALER_NAME, _torch_load))
+    path = source / f"{RNG_STATE_NAME}_{process_index}.pkl"
+    if not path.is_file():
+        warnings.warn(f"{path} is missing: random states not restored.", stacklevel=2)
+        return {}
+    states = _read(path, _torch_load)
+    set_rng_states(states)
+    return {"step": states["step"]} if "step" in states else {}
 
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in shard.items()}, directory / filename, {"format": "pt"}
-            )
-        else:
-            torch.save(shard, directory / filename)
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, names in shards.items() for n in names}}
-        index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
-        (directory / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+def save_custom_state(obj: Any, path: str | os.PathLike[str], index: int = 0, save_on_each_node: bool = False) -> None:
+    """Write ``obj.state_dict()`` to ``{path}/custom_checkpoint_{index}.pkl`` from the main process (or each node's)."""
+    location = _custom_file(path, index)
+    logger.info(f"Saving the state of {get_pretty_name(obj)} to {location}")
+    save(obj.state_dict(), location, save_on_each_node=save_on_each_node)
+
+
+def load_custom_state(obj: Any, path: str | os.PathLike[str], index: int = 0) -> None:
+    """Load ``{path}/custom_checkpoint_{index}.pkl`` into ``obj`` (``load_state_dict``).
+
+    As in Accelerate the file is unpickled in full (``weights_only=False``): registered objects may hold any
+    picklable state, so load only checkpoints you trust.
+
+    Raises:
+        ValueError: If the file is missing or unreadable (naming it).
+
+    """
+    location = _custom_file(path, index)
+    logger.info(f"Loading the state of {get_pretty_name(obj)} from {location}")
+    obj.load_state_dict(_read(location, lambda p: torch.load(p, map_location="cpu", weights_only=False)))

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_accel
 from lightning_accel.strategies import AcceleratedSingleDeviceStrategy
 from lightning_accel.utils import TorchDynamoPlugin
-from lightning_accel.utils.compile import apply_dynamo, compile_regions
+from lightning_accel.utils.compile import apply_dynamo, compile_regions_in_place
 
 FLAGS = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
@@ -78,7 +78,7 @@ def test_regional_compilation_traces_the_repeated_block_once() -> None:
 
     counters.clear()
     model = Stack()
-    compiled = compile_regions(model, backend="eager")
+    compiled = compile_regions_in_place(model, backend="eager")
     assert compiled == list(model.blocks)
     # Every block sees the same kind of input (a tensor that requires grad), so one graph serves all three.
     model(torch.randn(4, 16, requires_grad=True))

@@ -1,16 +1,49 @@
-"""Accelerate's FP8 recipe kwargs: ``AORecipeKwargs``, ``TERecipeKwargs`` and the deprecated ``FP8RecipeKwargs``."""
+"""Accelerate's FP8 recipe kwargs: ``AORecipeKwargs``, ``TERecipeKwargs``, ``MSAMPRecipeKwargs``, ``FP8RecipeKwargs``.
+
+As in Accelerate, an argument left at ``None`` means "not set" and gets its default in ``__post_init__`` (Accelerate
+reads ``ACCELERATE_FP8_*`` there; these dataclasses never read the environment, the launcher's variables reach them
+through :mod:`lightning_accel.utils.environment`).
+"""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from lightning_accel.config.kwargs import KwargsHandler
 
-_FP8_FORMATS = ("HYBRID", "E4M3", "E5M2")
-_AMAX_ALGORITHMS = ("max", "most_recent")
+__all__ = [
+    "AORecipeKwargs",
+    "AmaxComputeAlgorithm",
+    "Backend",
+    "FP8Format",
+    "FP8RecipeKwargs",
+    "MSAMPRecipeKwargs",
+    "OptLevel",
+    "TERecipeKwargs",
+]
+
+# Accelerate's literal types of the recipe fields.
+Backend = Literal["MSAMP", "TE"]
+OptLevel = Literal["O1", "O2"]
+FP8Format = Literal["HYBRID", "E4M3", "E5M2"]
+AmaxComputeAlgorithm = Literal["max", "most_recent"]
+
+_FP8_FORMATS: tuple[str, ...] = get_args(FP8Format)
+_AMAX_ALGORITHMS: tuple[str, ...] = get_args(AmaxComputeAlgorithm)
+# TERecipeKwargs's defaults, Accelerate's without ACCELERATE_FP8_* variables.
+_TE_DEFAULTS: dict[str, Any] = {
+    "use_autocast_during_eval": False,
+    "margin": 0,
+    "interval": 1,
+    "fp8_format": "HYBRID",
+    "amax_history_len": 1024,
+    "amax_compute_algo": "most_recent",
+    "override_linear_precision": (False, False, False),
+    "use_mxfp8_block_scaling": False,
+}
 
 
 @dataclass
@@ -45,34 +78,39 @@ class AORecipeKwargs(KwargsHandler):
 
 @dataclass
 class TERecipeKwargs(KwargsHandler):
-    """Transformer Engine ``DelayedScaling`` recipe settings (defaults are Accelerate's without environment).
+    """Transformer Engine ``DelayedScaling`` recipe settings (``None``: Accelerate's default, without environment).
 
     Attributes:
-        use_autocast_during_eval: Keep fp8 autocast on in evaluation.
-        margin: Margin for the scaling factor computation.
-        interval: How often (in steps) the scaling factor is recomputed.
-        fp8_format: ``HYBRID`` (E4M3 forward, E5M2 backward), ``E4M3`` or ``E5M2``.
-        amax_history_len: Length of the amax history window.
-        amax_compute_algo: ``most_recent`` or ``max``.
-        override_linear_precision: Run the ``(fprop, dgrad, wgrad)`` GEMMs in higher precision.
-        use_mxfp8_block_scaling: Use MXFP8 block scaling (Blackwell) instead of delayed scaling.
+        use_autocast_during_eval: Keep fp8 autocast on in evaluation (default ``False``).
+        margin: Margin for the scaling factor computation (default 0).
+        interval: How often (in steps) the scaling factor is recomputed (default 1).
+        fp8_format: ``HYBRID`` (E4M3 forward, E5M2 backward; the default), ``E4M3`` or ``E5M2``.
+        amax_history_len: Length of the amax history window (default 1024).
+        amax_compute_algo: ``most_recent`` (the default) or ``max``.
+        override_linear_precision: Run the ``(fprop, dgrad, wgrad)`` GEMMs in higher precision (default all
+            ``False``).
+        use_mxfp8_block_scaling: Use MXFP8 block scaling (Blackwell) instead of delayed scaling (default ``False``).
 
     """
 
-    use_autocast_during_eval: bool = False
-    margin: int = 0
-    interval: int = 1
-    fp8_format: str = "HYBRID"
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "most_recent"
-    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
-    use_mxfp8_block_scaling: bool = False
+    # ``None`` (not set) is resolved in ``__post_init__``, so the annotations give the resolved types, as Accelerate's.
+    use_autocast_during_eval: bool = None  # type: ignore[assignment]
+    margin: int = None  # type: ignore[assignment]
+    interval: int = None  # type: ignore[assignment]
+    fp8_format: FP8Format = None  # type: ignore[assignment]
+    amax_history_len: int = None  # type: ignore[assignment]
+    amax_compute_algo: AmaxComputeAlgorithm = None  # type: ignore[assignment]
+    override_linear_precision: tuple[bool, bool, bool] = None  # type: ignore[assignment]
+    use_mxfp8_block_scaling: bool = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        self.fp8_format = str(self.fp8_format).upper()
+        for name, default in _TE_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        self.fp8_format = str(self.fp8_format).upper()  # type: ignore[assignment]  # checked next
         if self.fp8_format not in _FP8_FORMATS:
             raise ValueError(f"fp8_format must be one of {list(_FP8_FORMATS)}, got {self.fp8_format!r}")
-        self.amax_compute_algo = str(self.amax_compute_algo).lower()
+        self.amax_compute_algo = str(self.amax_compute_algo).lower()  # type: ignore[assignment]  # checked next
         if self.amax_compute_algo not in _AMAX_ALGORITHMS:
             raise ValueError(
                 f"amax_compute_algo must be one of {list(_AMAX_ALGORITHMS)}, got {self.amax_compute_algo!r}"
@@ -89,10 +127,29 @@ class TERecipeKwargs(KwargsHandler):
 
 
 @dataclass
-class FP8RecipeKwargs(TERecipeKwargs):
-    """Deprecated (as in Accelerate, to be removed in 2.0): ``TERecipeKwargs`` with a ``backend`` field.
+class MSAMPRecipeKwargs(KwargsHandler):
+    """MS-AMP fp8 settings (Accelerate's dataclass; lightning_accel has no MS-AMP backend to run them).
 
-    Use :class:`TERecipeKwargs` or :class:`AORecipeKwargs` instead. Creating one warns with a ``FutureWarning``.
+    Attributes:
+        opt_level: ``"O1"`` or ``"O2"`` (``None``: ``"O2"``, Accelerate's default without environment).
+
+    """
+
+    opt_level: OptLevel | None = None
+
+    def __post_init__(self) -> None:
+        if self.opt_level is None:
+            self.opt_level = "O2"
+        if self.opt_level not in get_args(OptLevel):
+            raise ValueError(f"opt_level must be one of {' or '.join(get_args(OptLevel))}, got {self.opt_level!r}")
+
+
+@dataclass
+class FP8RecipeKwargs(TERecipeKwargs, MSAMPRecipeKwargs):
+    """Deprecated (as in Accelerate, to be removed in 2.0): ``TERecipeKwargs`` and ``MSAMPRecipeKwargs`` in one.
+
+    Use :class:`TERecipeKwargs` or :class:`AORecipeKwargs` instead. Creating one warns with a ``FutureWarning``. The
+    fields are Accelerate's, in its order (``opt_level`` first, ``backend`` last).
 
     Attributes:
         backend: ``"TE"`` (Transformer Engine, the default here) or ``"MSAMP"``, any case. lightning_accel has no
@@ -101,8 +158,7 @@ class FP8RecipeKwargs(TERecipeKwargs):
 
     """
 
-    backend: str | None = None
-    opt_level: str | None = None
+    backend: Backend | None = None
 
     def __post_init__(self) -> None:
         warnings.warn(
@@ -111,7 +167,7 @@ class FP8RecipeKwargs(TERecipeKwargs):
             FutureWarning,
             stacklevel=3,
         )
-        self.backend = "TE" if self.backend is None else str(self.backend).upper()
+        self.backend = "TE" if self.backend is None else str(self.backend).upper()  # type: ignore[assignment]
         if self.backend == "MSAMP":
             raise ValueError(
                 "FP8RecipeKwargs(backend='MSAMP'): lightning_accel has no MS-AMP backend; use TERecipeKwargs "
@@ -124,4 +180,4 @@ class FP8RecipeKwargs(TERecipeKwargs):
                 f"FP8RecipeKwargs(opt_level={self.opt_level!r}) sets an MS-AMP level, which the TE backend does not "
                 "use; drop opt_level"
             )
-        super().__post_init__()
+        TERecipeKwargs.__post_init__(self)

@@ -14,18 +14,18 @@ __all__ = ["GeneralTracker", "import_tracker_package", "on_main_process"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def on_main_process(method: _F) -> _F:
+def on_main_process(function: _F) -> _F:
     """Run a tracker method only on the main process when its tracker has ``main_process_only`` set.
 
     The process is looked up when the method is called, so trackers can be built before the ``Accelerator``.
     Elsewhere the method returns ``None``.
     """
 
-    @functools.wraps(method)
+    @functools.wraps(function)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, "main_process_only", False) and not PartialState().is_main_process:
             return None
-        return method(self, *args, **kwargs)
+        return function(self, *args, **kwargs)
 
     return cast(_F, wrapper)
 

@@ -9,6 +9,7 @@ run's metrics). Write a :class:`~lightning_accel.tracking.GeneralTracker` subcla
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any, ClassVar
 
 from lightning_accel.tracking.base import GeneralTracker
@@ -22,8 +23,11 @@ class _UnimplementedTracker(GeneralTracker):
     package: ClassVar[str] = ""
     install: ClassVar[str] = ""
 
-    def __init__(self, run_name: str, *args: Any, **kwargs: Any) -> None:
-        del run_name, args, kwargs
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        del run_name, kwargs
+        self._refuse()
+
+    def _refuse(self) -> None:
         cls = type(self)
         if importlib.util.find_spec(cls.package) is None:
             raise ImportError(f"{cls.__name__} needs the {cls.package!r} package: {cls.install}")
@@ -48,6 +52,10 @@ class AimTracker(_UnimplementedTracker):
     package = "aim"
     install = "pip install 'aim<4'"
 
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str] | None = ".", **kwargs: Any) -> None:
+        del run_name, logging_dir, kwargs
+        self._refuse()
+
 
 class ClearMLTracker(_UnimplementedTracker):
     """ClearML (``log_with="clearml"``); not implemented here: constructing it raises.
@@ -62,6 +70,10 @@ class ClearMLTracker(_UnimplementedTracker):
     package = "clearml"
     install = "pip install clearml"
 
+    def __init__(self, run_name: str | None = None, **kwargs: Any) -> None:
+        del run_name, kwargs
+        self._refuse()
+
 
 class DVCLiveTracker(_UnimplementedTracker):
     """DVCLive (``log_with="dvclive"``); not implemented here: constructing it raises.
@@ -75,6 +87,10 @@ class DVCLiveTracker(_UnimplementedTracker):
     name = "dvclive"
     package = "dvclive"
     install = "pip install dvclive"
+
+    def __init__(self, run_name: str | None = None, live: Any | None = None, **kwargs: Any) -> None:
+        del run_name, live, kwargs
+        self._refuse()
 
 
 class SwanLabTracker(_UnimplementedTracker):

@@ -29,7 +29,7 @@ def apply_dynamo(module: nn.Module, plugin: TorchDynamoPlugin | None) -> nn.Modu
         return module
     kwargs = plugin.to_kwargs()
     if plugin.use_regional_compilation:
-        compile_regions(module, **kwargs)
+        compile_regions_in_place(module, **kwargs)
         return module
     from lightning.pytorch import LightningModule
 
@@ -38,8 +38,11 @@ def apply_dynamo(module: nn.Module, plugin: TorchDynamoPlugin | None) -> nn.Modu
     return module
 
 
-def compile_regions(module: nn.Module, **compile_kwargs: Any) -> list[nn.Module]:
+def compile_regions_in_place(module: nn.Module, **compile_kwargs: Any) -> list[nn.Module]:
     """Compile every block of each run of repeated blocks (a ``ModuleList``/``Sequential`` of one class) in place.
+
+    What ``TorchDynamoPlugin(use_regional_compilation=True)`` does to a prepared model. Accelerate's
+    ``compile_regions``, which returns a compiled copy instead, is :func:`lightning_accel.utils.other.compile_regions`.
 
     Blocks of one class share their code, so dynamo traces the class once and reuses the graph for its other
     instances: cold compilation costs one block instead of the whole model. Without repeated blocks the whole module

@@ -32,19 +32,53 @@ from lightning_accel.config._settings import (
     section_settings,
 )
 from lightning_accel.enums import DistributedType, PrecisionType
+from lightning_accel.utils.environment_patching import (  # Accelerate's path for these helpers too
+    clear_environment,
+    patch_environment,
+    purge_accelerate_environment,
+)
+from lightning_accel.utils.environment_system import (  # Accelerate's path for its machine and launcher readers
+    CPUInformation,
+    are_libraries_initialized,
+    check_cuda_fp8_capability,
+    check_cuda_p2p_ib_support,
+    get_cpu_distributed_information,
+    get_current_device_type,
+    get_driver_version,
+    get_gpu_info,
+    get_int_from_env,
+    override_numa_affinity,
+    parse_choice_from_env,
+    set_numa_affinity,
+)
 
 if TYPE_CHECKING:
     from lightning_accel.config.file import AccelerateConfig
     from lightning_accel.config.parallelism import ParallelismConfig
 
 __all__ = [
+    "CPUInformation",
     "accelerator_kwargs",
+    "are_libraries_initialized",
+    "check_cuda_fp8_capability",
+    "check_cuda_p2p_ib_support",
+    "clear_environment",
     "convert_dict_to_env_variables",
     "default_config_file",
     "env_from_settings",
+    "get_cpu_distributed_information",
+    "get_current_device_type",
+    "get_driver_version",
+    "get_gpu_info",
+    "get_int_from_env",
+    "override_numa_affinity",
     "parallelism_config_from_env",
+    "parse_choice_from_env",
     "parse_flag_from_env",
+    "patch_environment",
+    "purge_accelerate_environment",
     "resolve_settings",
+    "set_numa_affinity",
     "settings_from_env",
     "str_to_bool",
     "torch_device_from_env",

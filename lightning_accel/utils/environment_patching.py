@@ -73,14 +73,14 @@ def _purge_test_methods(cls: type) -> None:
             setattr(cls, name, _purging(method))
 
 
-def purge_accelerate_environment(function_or_class: _T) -> _T:
+def purge_accelerate_environment(func_or_cls: _T) -> _T:
     """Undo every ``ACCELERATE_*`` variable a function (or each ``test*`` method of a class) sets or changes.
 
     Decorating a class also covers its subclasses' test methods, so a base test class can carry it.
     """
-    if not isinstance(function_or_class, type):
-        return _purging(function_or_class)  # type: ignore[arg-type,return-value]  # any callable
-    cls: type = function_or_class
+    if not isinstance(func_or_cls, type):
+        return _purging(func_or_cls)  # type: ignore[arg-type,return-value]  # any callable
+    cls: type = func_or_cls
     _purge_test_methods(cls)
     previous = cls.__dict__.get("__init_subclass__")
 
@@ -92,4 +92,4 @@ def purge_accelerate_environment(function_or_class: _T) -> _T:
         _purge_test_methods(subclass)
 
     cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment,method-assign]
-    return function_or_class
+    return func_or_cls

@@ -1,8 +1,12 @@
-"""Accelerate's ``accelerate.utils.fsdp_utils`` path: merging a sharded FSDP checkpoint into one weights file.
+"""Accelerate's ``accelerate.utils.fsdp_utils``: FSDP checkpoints, FSDP2 preparation, and merging shards.
 
 ``save_state`` under FSDP with ``SHARDED_STATE_DICT`` writes ``pytorch_model_fsdp_{i}/`` (and ``optimizer_{i}/``) as
 ``torch.distributed.checkpoint`` directories, one shard per process. :func:`merge_fsdp_weights` turns such a directory
 into ``model.safetensors`` (or ``pytorch_model.bin``) that loads without FSDP or a process group.
+
+The model and optimizer checkpoint functions (``save_fsdp_model``, ...) are in
+:mod:`lightning_accel.utils.fsdp_checkpoint`, the FSDP2 helpers (``fsdp2_prepare_model``, ...) in
+:mod:`lightning_accel.utils.fsdp2_prepare`; both are importable from here, Accelerate's path.
 """
 
 from __future__ import annotations
@@ -17,12 +21,62 @@ import torch
 
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+from lightning_accel.utils.fsdp2_prepare import (
+    ensure_weights_retied,
+    fsdp2_apply_ac,
+    fsdp2_canonicalize_names,
+    fsdp2_load_full_state_dict,
+    fsdp2_prepare_auto_wrap_policy,
+    fsdp2_prepare_model,
+    fsdp2_switch_optimizer_parameters,
+    get_fsdp2_grad_scaler,
+    get_parameters_from_modules,
+)
+from lightning_accel.utils.fsdp_checkpoint import (
+    load_fsdp_model,
+    load_fsdp_optimizer,
+    save_fsdp_model,
+    save_fsdp_optimizer,
+)
 from lightning_accel.utils.other import save
 from lightning_accel.utils.versions import is_torch_version
 
-__all__ = ["merge_fsdp_weights"]
+__all__ = [
+    "disable_fsdp_ram_efficient_loading",
+    "enable_fsdp_ram_efficient_loading",
+    "ensure_weights_retied",
+    "fsdp2_apply_ac",
+    "fsdp2_canonicalize_names",
+    "fsdp2_load_full_state_dict",
+    "fsdp2_prepare_auto_wrap_policy",
+    "fsdp2_prepare_model",
+    "fsdp2_switch_optimizer_parameters",
+    "get_fsdp2_grad_scaler",
+    "get_parameters_from_modules",
+    "load_fsdp_model",
+    "load_fsdp_optimizer",
+    "merge_fsdp_weights",
+    "save_fsdp_model",
+    "save_fsdp_optimizer",
+]
 
 _METADATA = ".metadata"  # the file torch.distributed.checkpoint writes next to its shards
+
+
+def enable_fsdp_ram_efficient_loading() -> None:
+    """Tell ``transformers`` to load pretrained weights on process 0 only under FSDP (the others get empty ones).
+
+    Sets ``FSDP_CPU_RAM_EFFICIENT_LOADING=True``, and ``ACCELERATE_USE_FSDP=True`` unless it is set: what
+    ``transformers.modeling_utils.is_fsdp_enabled`` reads. Accelerate's function, writing ``os.environ``.
+    """
+    if "ACCELERATE_USE_FSDP" not in os.environ:
+        os.environ["ACCELERATE_USE_FSDP"] = "True"
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "True"
+
+
+def disable_fsdp_ram_efficient_loading() -> None:
+    """Undo :func:`enable_fsdp_ram_efficient_loading`'s loading rule: ``FSDP_CPU_RAM_EFFICIENT_LOADING=False``."""
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "False"
 
 
 def _check_checkpoint_dir(checkpoint_dir: Path) -> None:

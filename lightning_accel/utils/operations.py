@@ -1,25 +1,56 @@
-"""Accelerate's tensor operations: collectives and helpers that recurse through nested lists, tuples and dicts.
+"""Accelerate's tensor operations: collectives, and the helpers that recurse through nested lists, tuples and dicts.
 
 Collectives use the default ``torch.distributed`` process group (created by the ``Accelerator``'s strategy) and run
-under its timeout; without a process group, or with one process, they return their input (or a copy).
+under its timeout; without a process group, or with one process, they return their input (or a copy). The nested-data
+helpers live in :mod:`lightning_accel.utils.nested` and are importable from here, Accelerate's path.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager, nullcontext
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_accel.utils.nested import (
+    ConvertOutputsToFp32,
+    TensorInformation,
+    concatenate,
+    convert_outputs_to_fp32,
+    convert_to_fp32,
+    find_batch_size,
+    find_device,
+    get_data_structure,
+    get_shape,
+    honor_type,
+    ignorant_find_batch_size,
+    initialize_tensors,
+    is_namedtuple,
+    is_tensor_information,
+    is_torch_tensor,
+    is_torch_xpu_tensor,
+    listify,
+    recursively_apply,
+    send_to_device,
+    slice_tensors,
+)
+
 __all__ = [
+    "TENSOR_INT_TO_DTYPE",
+    "TENSOR_TYPE_TO_INT",
     "CannotPadNestedTensorWarning",
+    "ConvertOutputsToFp32",
     "DistributedOperationException",
+    "GatheredParameters",
+    "TensorInformation",
     "broadcast",
     "broadcast_object_list",
+    "chained_operation",
     "concatenate",
     "convert_outputs_to_fp32",
     "convert_to_fp32",
@@ -28,8 +59,16 @@ __all__ = [
     "find_device",
     "gather",
     "gather_object",
+    "gather_tensor_shape",
+    "get_data_structure",
+    "get_shape",
+    "honor_type",
+    "ignorant_find_batch_size",
+    "initialize_tensors",
     "is_namedtuple",
+    "is_tensor_information",
     "is_torch_tensor",
+    "is_torch_xpu_tensor",
     "listify",
     "pad_across_processes",
     "pad_input_tensors",
@@ -37,100 +76,25 @@ __all__ = [
     "reduce",
     "send_to_device",
     "slice_tensors",
+    "verify_operation",
 ]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 _REDUCTIONS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-def is_torch_tensor(value: Any) -> bool:
-    """Whether ``value`` is a ``torch.Tensor``."""
-    return isinstance(value, Tensor)
-
-
-def is_namedtuple(value: Any) -> bool:
-    """Whether ``value`` is an instance of a ``collections.namedtuple`` class."""
-    return isinstance(value, tuple) and hasattr(value, "_fields") and hasattr(value, "_asdict")
-
-
-def _rebuild(container: Sequence[Any], items: list[Any]) -> Any:
-    """A sequence of ``container``'s type holding ``items`` (namedtuples are rebuilt field by field)."""
-    cls: Any = type(container)
-    return cls(*items) if is_namedtuple(container) else cls(items)
-
-
-def recursively_apply(
-    func: Callable[..., Any],
-    data: Any,
-    *args: Any,
-    test_type: Callable[[Any], bool] = is_torch_tensor,
-    error_on_other_type: bool = False,
-    **kwargs: Any,
-) -> Any:
-    """Apply ``func`` to every leaf of ``data`` that passes ``test_type``, keeping the container structure.
-
-    Args:
-        func: Called as ``func(leaf, *args, **kwargs)``.
-        data: A leaf, or nested lists, tuples (namedtuples too) and mappings of leaves.
-        *args: Extra positional arguments for ``func``.
-        test_type: Which leaves ``func`` applies to (default: tensors).
-        error_on_other_type: Raise on other leaves instead of returning them unchanged.
-        **kwargs: Extra keyword arguments for ``func``.
-
-    Raises:
-        TypeError: For a leaf that fails ``test_type`` when ``error_on_other_type`` is set.
-
-    """
-
-    def apply(value: Any) -> Any:
-        return recursively_apply(
-            func, value, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs
-        )
-
-    if isinstance(data, (list, tuple)):
-        return _rebuild(data, [apply(item) for item in data])
-    if isinstance(data, Mapping):
-        return type(data)({key: apply(value) for key, value in data.items()})  # type: ignore[call-arg]
-    if test_type(data):
-        return func(data, *args, **kwargs)
-    if error_on_other_type:
-        # Accelerate's wording, which its own tests (and so user code matching on it) check word for word.
-        raise TypeError(
-            f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. Only nested"
-            f" list/tuple/dicts of objects that are valid for `{getattr(test_type, '__name__', test_type)}` should"
-            " be passed."
-        )
-    return data
-
-
-def send_to_device(
-    tensor: Any, device: torch.device | str, non_blocking: bool = False, skip_keys: str | Sequence[str] | None = None
-) -> Any:
-    """Move every tensor (and every object with a ``to`` method) in ``tensor`` to ``device``.
-
-    Args:
-        tensor: The data to move.
-        device: Target device.
-        non_blocking: Asynchronous copies (with pinned memory).
-        skip_keys: Mapping keys whose values are left where they are.
-
-    """
-    if isinstance(tensor, Tensor):
-        return tensor.to(device, non_blocking=non_blocking)
-    skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
-    if isinstance(tensor, (list, tuple)):
-        return _rebuild(tensor, [send_to_device(t, device, non_blocking, skip_keys) for t in tensor])
-    if isinstance(tensor, Mapping):
-        moved = {
-            key: value if key in skip else send_to_device(value, device, non_blocking, skip_keys)
-            for key, value in tensor.items()
-        }
-        return type(tensor)(moved)  # type: ignore[call-arg]
-    if hasattr(tensor, "to"):
-        try:
-            return tensor.to(device, non_blocking=non_blocking)
-        except TypeError:  # a `.to` without `non_blocking`
-            return tensor.to(device)
-    return tensor
+# Accelerate's codes for the dtypes ``gather_tensor_shape`` sends along with a shape.
+TENSOR_TYPE_TO_INT = {
+    torch.float: 1,
+    torch.double: 2,
+    torch.half: 3,
+    torch.bfloat16: 4,
+    torch.uint8: 5,
+    torch.int8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
+}
+TENSOR_INT_TO_DTYPE = {code: dtype for dtype, code in TENSOR_TYPE_TO_INT.items()}
 
 
 def _world_size() -> int:
@@ -183,19 +147,21 @@ def gather(tensor: Any) -> Any:
     return recursively_apply(gather_one, tensor, error_on_other_type=True)
 
 
-def gather_object(obj: Any) -> list[Any]:
+def gather_object(object: Any) -> list[Any]:  # Accelerate names it object
     """Gather a picklable list from every process into one flat list, in rank order.
 
     Raises:
-        TypeError: If ``obj`` is not a list or tuple (each process contributes its items).
+        TypeError: If ``object`` is not a list or tuple (each process contributes its items).
 
     """
-    if not isinstance(obj, (list, tuple)):
-        raise TypeError(f"gather_object expects a list or tuple of objects, got {type(obj).__name__}; wrap it: [obj].")
+    if not isinstance(object, (list, tuple)):
+        raise TypeError(
+            f"gather_object expects a list or tuple of objects, got {type(object).__name__}; wrap it: [obj]."
+        )
     if _world_size() == 1:
-        return list(obj)
+        return list(object)
     parts: list[Any] = [None] * _world_size()
-    dist.all_gather_object(parts, list(obj))
+    dist.all_gather_object(parts, list(object))
     return [item for part in parts for item in part]
 
 
@@ -356,91 +322,104 @@ def copy_tensor_to_devices(tensor: Tensor | None = None) -> Tensor:
     return result
 
 
-def find_device(data: Any) -> torch.device | None:
-    """The device of the first tensor found in ``data`` (nested lists, tuples and mappings), ``None`` without one."""
-    if isinstance(data, Tensor):
-        return data.device
-    if isinstance(data, Mapping):
-        data = list(data.values())
-    if isinstance(data, (list, tuple)):
-        for item in data:
-            device = find_device(item)
-            if device is not None:
-                return device
-    return None
+def verify_operation(function: _F) -> _F:
+    """Decorate a collective so that, in debug mode, every process's input shapes are compared first.
+
+    As Accelerate's: with ``ACCELERATE_DEBUG_MODE`` (``PartialState().debug``) and several processes, the ``tensor``
+    argument (or the first one) must be on the state's device type and have the same shapes everywhere, or
+    :class:`DistributedOperationException` lists them; otherwise the collective runs as it is.
+    """
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from lightning_accel.state import PartialState
+
+        if _world_size() > 1 and getattr(PartialState(), "debug", False):
+            operation = f"{function.__module__}.{function.__name__}"
+            tensor = kwargs["tensor"] if "tensor" in kwargs else args[0]
+            device = find_device(tensor)
+            expected = PartialState().device.type
+            if device is not None and device.type != expected:
+                raise DistributedOperationException(
+                    f"One or more of the tensors passed to {operation} were not on the {device.type} while the "
+                    f"Accelerator is configured for {expected}: move them to {expected} before calling {operation}."
+                )
+            _verify_shapes(operation, tensor)
+        return function(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
-def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
-    """Concatenate a list of equally structured nested tensors along ``dim`` (a single batch is returned as it is).
+def chained_operation(function: _F) -> _F:
+    """Decorate an operation built on collectives: re-raise a :class:`DistributedOperationException` naming it.
 
     Raises:
-        TypeError: If the items are not tensors (or nested lists, tuples and dicts of them).
+        DistributedOperationException: Chained to the one the inner collective raised.
 
     """
-    first = data[0]
-    if len(data) == 1 and not isinstance(first, (list, tuple, Mapping, Tensor)):
-        return first  # a single batch comes back as it is, tensor or not (as in Accelerate)
-    if isinstance(first, (list, tuple)):
-        return _rebuild(first, [concatenate([d[i] for d in data], dim=dim) for i in range(len(first))])
-    if isinstance(first, Mapping):
-        return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})  # type: ignore[call-arg]
-    if not isinstance(first, Tensor):
-        raise TypeError(f"concatenate works on (nested) tensors only, got {type(first).__name__}.")
-    return torch.cat(list(data), dim=dim)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except DistributedOperationException as error:
+            operation = f"{function.__module__}.{function.__name__}"
+            raise DistributedOperationException(
+                f"Error found while calling `{operation}`. Please see the earlier error for more details."
+            ) from error
+
+    return wrapper  # type: ignore[return-value]
 
 
-def slice_tensors(
-    data: Any, tensor_slice: slice | int, process_index: int | None = None, num_processes: int | None = None
-) -> Any:
-    """Index every tensor in ``data`` with ``tensor_slice``.
+def gather_tensor_shape(tensor: Tensor | None) -> tuple[Tensor, int]:
+    """The shape and dtype code of the tensor one process holds (the others pass ``None``), on every process.
 
-    ``process_index`` and ``num_processes`` are accepted for Accelerate's signature and unused, as there.
+    As Accelerate's: the holder writes its shape and :data:`TENSOR_TYPE_TO_INT` code into a buffer of ``2**20`` ints
+    that is summed over the processes. Returns the shape as a 1-d int tensor (on the state's device; a 0-d tensor
+    has an empty one) and the dtype code.
     """
-    del process_index, num_processes
-    return recursively_apply(lambda t: t[tensor_slice], data)
+    from lightning_accel.state import PartialState
+
+    buffer = torch.zeros(2**20, dtype=torch.int, device=PartialState().device)
+    if tensor is not None:
+        shape = list(tensor.shape)
+        buffer[: len(shape) + 1] = torch.tensor([*shape, TENSOR_TYPE_TO_INT[tensor.dtype]], dtype=torch.int)
+    buffer = reduce(buffer, reduction="sum")
+    buffer = buffer[buffer.nonzero()]
+    return buffer[:-1], int(buffer[-1:][0])
 
 
-def convert_to_fp32(tensor: Any) -> Any:
-    """Cast every fp16/bf16 tensor in ``tensor`` to fp32 (other tensors and objects are kept)."""
+@contextmanager
+def GatheredParameters(  # Accelerate names it so
+    params: Iterable[torch.Tensor] | torch.Tensor,
+    modifier_rank: int | None = None,
+    fwd_module: torch.nn.Module | None = None,
+    enabled: bool = True,
+) -> Generator[None, None, None]:
+    """DeepSpeed's ``deepspeed.zero.GatheredParameters`` under ZeRO-3, a context that does nothing otherwise.
 
-    def is_half(value: Any) -> bool:
-        return isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16)
+    Inside it, ZeRO-3 partitioned ``params`` are whole on every process (``modifier_rank``'s changes are kept when it
+    ends). Without DeepSpeed, or with a DeepSpeed plugin whose ZeRO-3 ``zero.Init`` is off, parameters are whole
+    already, so nothing happens (Accelerate's rule).
 
-    return recursively_apply(lambda t: t.float(), tensor, test_type=is_half)
-
-
-def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a forward function so that its fp16/bf16 outputs come back as fp32."""
-
-    @functools.wraps(model_forward)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return convert_to_fp32(model_forward(*args, **kwargs))
-
-    return forward
-
-
-def listify(data: Any) -> Any:
-    """Replace every tensor in ``data`` by Python numbers (``tensor.tolist()``; bf16 goes through fp32)."""
-
-    def to_list(value: Tensor) -> Any:
-        value = value.detach().cpu()
-        return (value.float() if value.dtype == torch.bfloat16 else value).tolist()
-
-    return recursively_apply(to_list, data)
-
-
-def find_batch_size(data: Any) -> int:
-    """The size of dim 0 of the first tensor found in ``data``.
-
-    Raises:
-        TypeError: If the first leaf is not a tensor.
-        ValueError: If ``data`` is an empty container.
+    Args:
+        params: The parameters to gather.
+        modifier_rank: The process whose in-place changes are broadcast when the context ends (``None``: none).
+        fwd_module: Passed on to DeepSpeed (registers external parameters of that module).
+        enabled: Passed on to DeepSpeed (``False`` turns the gathering off).
 
     """
-    if isinstance(data, (list, tuple, Mapping)):
-        if len(data) == 0:
-            raise ValueError("Cannot find the batch size of an empty container.")
-        return find_batch_size(next(iter(data.values())) if isinstance(data, Mapping) else data[0])
-    if not isinstance(data, Tensor):
-        raise TypeError(f"Can only find the batch size of tensors, got {type(data).__name__}.")
-    return int(data.shape[0])
+    from lightning_accel.enums import DistributedType
+    from lightning_accel.state import AcceleratorState
+
+    state = AcceleratorState()
+    plugin = getattr(state, "deepspeed_plugin", None)
+    context: Any = nullcontext()
+    if state.distributed_type == DistributedType.DEEPSPEED and (plugin is None or plugin.is_zero3_init_enabled()):
+        import deepspeed
+
+        context = deepspeed.zero.GatheredParameters(
+            params, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled
+        )
+    with context:
+        yield

@@ -1,14 +1,23 @@
-"""Accelerate's ``save``/``load`` (write once per run or node, read with ``weights_only``) and model unwrapping."""
+"""Accelerate's ``accelerate.utils.other``: ``save``/``load``, model unwrapping, compiled regions, small helpers.
+
+``save`` writes once per run or node, ``load`` reads with ``weights_only``; the rest are Accelerate's helpers under its
+names and signatures (model inspection, dictionary merging, attribute paths, sizes in words).
+"""
 
 from __future__ import annotations
 
+import codecs
+import collections
+import functools
 import os
 import platform
 import re
 import socket
+import sys
 from types import MethodType
 from typing import Any, cast
 
+import numpy as np
 import torch
 from packaging.version import Version
 
@@ -16,13 +25,27 @@ from lightning_accel.logging import get_logger
 from lightning_accel.state import PartialState
 
 __all__ = [
+    "TORCH_SAFE_GLOBALS",
     "check_os_kernel",
+    "clean_state_dict_for_safetensors",
+    "compile_regions",
+    "compile_regions_deepspeed",
+    "compile_regions_fsdp2",
+    "convert_bytes",
     "extract_model_from_parallel",
     "get_free_port",
     "get_model_tp_size",
+    "get_module_children_bottom_up",
+    "get_pretty_name",
+    "has_compiled_regions",
+    "has_repeated_blocks",
     "is_compiled_module",
     "is_port_in_use",
+    "is_repeated_blocks",
     "load",
+    "merge_dicts",
+    "model_has_dtensor",
+    "recursive_getattr",
     "save",
     "wait_for_everyone",
 ]
@@ -87,10 +110,49 @@ def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return {name: tensor for name, tensor in state_dict.items() if name not in dropped}
 
 
+def clean_state_dict_for_safetensors(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` ready for safetensors: one name per shared storage, every tensor contiguous.
+
+    As in Accelerate, the later names of tensors sharing memory (tied weights) are deleted from ``state_dict`` itself,
+    with a warning naming them; string values (bitsandbytes metadata) are kept. Returns a new dict of contiguous
+    tensors.
+    """
+    from lightning_accel.utils.modeling_tensors import id_tensor_storage
+
+    names_by_storage: dict[Any, list[str]] = collections.defaultdict(list)
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, str):
+            names_by_storage[id_tensor_storage(tensor)].append(name)
+    removed: set[str] = set()
+    for names in names_by_storage.values():
+        for name in [n for n in names if n in state_dict][1:]:
+            removed.add(name)
+            del state_dict[name]
+    if removed:
+        logger.warning(
+            f"Removed shared tensor {removed} while saving: each shares memory with an entry kept in the file (tied "
+            "weights); check that reloading does not warn about them"
+        )
+    return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+
+
+# What ``load`` lets ``weights_only`` rebuild besides tensors: numpy arrays and dtypes (numpy's RNG state) and
+# ``codecs.encode`` (how Python pickles bytes), Accelerate's list.
+_NUMPY_CORE: Any = getattr(np, "_core", None) or np.core  # numpy 2 renamed it
+TORCH_SAFE_GLOBALS: list[Any] = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, codecs.encode, np.dtype]
+if hasattr(np, "dtypes"):  # numpy 1.25 and newer
+    TORCH_SAFE_GLOBALS.append(np.dtypes.UInt32DType)
+
+
 def load(f: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) -> Any:
-    """``torch.load`` with ``weights_only=True`` unless the caller passes ``weights_only=False``."""
+    """``torch.load`` with ``weights_only=True`` unless the caller passes ``weights_only=False``.
+
+    As in Accelerate, the numpy types of :data:`TORCH_SAFE_GLOBALS` are allowed while it loads (so
+    ``random_states_{i}.pkl`` loads with ``weights_only``); the allowed globals are restored afterwards.
+    """
     kwargs.setdefault("weights_only", True)
-    return torch.load(f, map_location=map_location, **kwargs)
+    with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
+        return torch.load(f, map_location=map_location, **kwargs)
 
 
 def wait_for_everyone() -> None:
@@ -103,33 +165,169 @@ def is_compiled_module(module: Any) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
+def has_compiled_regions(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or one of its submodules was returned by ``torch.compile`` (a module without children: no)."""
+    if not module._modules:
+        return False
+    return any(is_compiled_module(submodule) for submodule in module.modules())
+
+
+def is_repeated_blocks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a non-empty ``ModuleList`` whose children are all of its first child's class."""
+    return (
+        isinstance(module, torch.nn.ModuleList)
+        and len(module) > 0
+        and all(isinstance(m, module[0].__class__) for m in module)
+    )
+
+
+def has_repeated_blocks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds, at any depth, a run of repeated blocks (see :func:`is_repeated_blocks`)."""
+    if not module._modules:
+        return False
+    return any(is_repeated_blocks(submodule) for submodule in module.modules())
+
+
+def compile_regions(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
+    """Accelerate's regional compilation: a copy of ``module`` whose repeated blocks are each ``torch.compile``-d.
+
+    Each block of a ``ModuleList`` of one class is compiled on its own (they share code, so dynamo's cache serves all
+    but the first); the other leaves of the tree are compiled whole. The containers above are shallow copies (the
+    same parameters), and ``module`` itself is left unchanged; the copy keeps it as ``_orig_mod`` in its
+    ``__dict__``, which :func:`extract_model_from_parallel` uses to unwrap it.
+
+    Args:
+        module: The model to compile.
+        **compile_kwargs: ``torch.compile`` arguments (``backend``, ``mode``, ...).
+
+    Returns:
+        The model with compiled regions (``module`` itself is not modified).
+
+    """
+
+    def compile_tree(node: torch.nn.Module) -> torch.nn.Module:
+        if is_repeated_blocks(node):
+            blocks = torch.nn.ModuleList()
+            for block in cast(torch.nn.ModuleList, node):
+                blocks.append(cast(torch.nn.Module, torch.compile(block, **compile_kwargs)))
+            return blocks
+        if not has_repeated_blocks(node):
+            return cast(torch.nn.Module, torch.compile(node, **compile_kwargs))
+        copy = node.__class__.__new__(node.__class__)
+        copy.__dict__.update(node.__dict__)
+        for name, value in list(copy.__dict__.items()):  # methods bound to the original, rebound to the copy
+            if hasattr(value, "__func__") and getattr(value, "__self__", None) is node:
+                copy.__dict__[name] = MethodType(value.__func__, copy)
+        copy._modules = {}
+        for name, child in node.named_children():
+            copy.add_module(name, compile_tree(child))
+        return copy
+
+    compiled = compile_tree(module)
+    if "_orig_mod" not in compiled.__dict__:
+        compiled.__dict__["_orig_mod"] = module
+    return compiled
+
+
+def compile_regions_deepspeed(module: torch.nn.Module, **compile_kwargs: Any) -> None:
+    """Regional compilation in place (``module.compile()``), as for a ``DeepSpeedEngine``'s module.
+
+    The repeated blocks are compiled one by one, the other leaves whole; ``module`` keeps its identity and hooks.
+    """
+    if is_repeated_blocks(module):
+        for block in cast(torch.nn.ModuleList, module):
+            block.compile(**compile_kwargs)
+    elif has_repeated_blocks(module):
+        for child in module.children():
+            compile_regions_deepspeed(child, **compile_kwargs)
+    else:
+        module.compile(**compile_kwargs)
+
+
+def compile_regions_fsdp2(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
+    """:func:`compile_regions_deepspeed` for FSDP2, returning ``module``: in place, so ``fully_shard``'s hooks run."""
+    compile_regions_deepspeed(module, **compile_kwargs)
+    return module
+
+
+def model_has_dtensor(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a ``DTensor`` (sharded by FSDP2 or tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _parallel_wrappers() -> tuple[type, ...]:
+    """The wrapper classes whose ``.module`` is the wrapped model: DDP, DataParallel, FSDP1, a DeepSpeed engine."""
+    wrappers: tuple[type, ...] = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers += (FullyShardedDataParallel,)
+    engine = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)  # only if a run imported DeepSpeed
+    if isinstance(engine, type):
+        wrappers += (engine,)
+    return wrappers
+
+
 def extract_model_from_parallel(
-    model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True, recursive: bool = False
 ) -> torch.nn.Module:
-    """The user's module inside Fabric's, DDP's or DataParallel's wrappers (and ``torch.compile``'s unless kept).
+    """The user's module inside Fabric's, DDP's, DataParallel's, FSDP1's or DeepSpeed's wrappers.
 
     A compiled parallel module (``torch.compile(DDP(model))``) keeps its compiled wrapper with ``keep_torch_compile``,
-    around the unwrapped module.
+    around the unwrapped module; so does a model from :func:`compile_regions` (its ``_orig_mod``).
 
     Autocast lives in the precision plugin here, not in a forward wrapper. Still, as in Accelerate, a module whose
     ``forward`` was wrapped (e.g. with :func:`~lightning_accel.utils.operations.convert_outputs_to_fp32`) after
-    recording the original as ``_original_forward`` gets that forward back with ``keep_fp32_wrapper=False``.
+    recording the original as ``_original_forward`` gets that forward back with ``keep_fp32_wrapper=False``, and a
+    model converted to Transformer Engine layers (``_converted_to_transformer_engine``) is converted back.
+
+    Args:
+        model: The prepared (wrapped) model.
+        keep_fp32_wrapper: Keep a forward wrapper recorded with ``_original_forward``.
+        keep_torch_compile: Keep the ``torch.compile`` wrapper (or the regionally compiled copy).
+        recursive: Also unwrap every ``.module`` chain below and every child wrapped the same way, in place (as
+            Accelerate does for FSDP on XLA, whose wrappers sit on sublayers).
+
     """
     from lightning.fabric.wrappers import _FabricModule
 
     if isinstance(model, _FabricModule):
         model = model.module
-    compiled = model if is_compiled_module(model) else None
-    if compiled is not None:
+    compiled: Any = None
+    if is_compiled_module(model):
+        compiled = model
         model = cast(torch.nn.Module, compiled._orig_mod)
-    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+    elif has_compiled_regions(model) and "_orig_mod" in model.__dict__:
+        compiled = model
+        model = cast(torch.nn.Module, model.__dict__["_orig_mod"])
+    wrappers = _parallel_wrappers()
+    while isinstance(model, wrappers):
         model = cast(torch.nn.Module, model.module)
+    if recursive:
+        model = _unwrap_recursively(model)
     if not keep_fp32_wrapper:
         _restore_original_forward(model)
+        if getattr(model, "_converted_to_transformer_engine", False):
+            from lightning_accel.utils.transformer_engine import convert_model
+
+            convert_model(model, to_transformer_engine=False)
     if compiled is None or not keep_torch_compile:
         return model
-    compiled._orig_mod = model  # the compiled wrapper kept, around the unwrapped module (as Accelerate does)
-    return compiled
+    if is_compiled_module(compiled):
+        compiled._orig_mod = model  # the compiled wrapper kept, around the unwrapped module (as Accelerate does)
+    else:
+        compiled.__dict__["_orig_mod"] = model
+    return cast(torch.nn.Module, compiled)
+
+
+def _unwrap_recursively(module: Any) -> Any:
+    """Follow ``.module`` down, then do the same for every child, replacing it in place (Accelerate's ``recursive``)."""
+    inner = _unwrap_recursively(module.module) if hasattr(module, "module") else module
+    for name, child in inner.named_children():
+        setattr(inner, name, _unwrap_recursively(child))
+    return inner
 
 
 def _restore_original_forward(model: torch.nn.Module) -> None:
@@ -192,3 +390,65 @@ def get_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
+
+
+def get_pretty_name(obj: Any) -> str:
+    """``obj``'s qualified name, or its class's for an instance (what Accelerate's logs call it)."""
+    if not hasattr(obj, "__qualname__") and not hasattr(obj, "__name__"):
+        obj = getattr(obj, "__class__", obj)
+    if hasattr(obj, "__qualname__"):
+        return str(obj.__qualname__)
+    if hasattr(obj, "__name__"):
+        return str(obj.__name__)
+    return str(obj)
+
+
+def merge_dicts(source: dict[Any, Any], destination: dict[Any, Any]) -> dict[Any, Any]:
+    """Merge ``source`` into ``destination`` in place, recursing into nested dicts; returns ``destination``."""
+    for key, value in source.items():
+        if isinstance(value, dict):
+            merge_dicts(value, destination.setdefault(key, {}))
+        else:
+            destination[key] = value
+    return destination
+
+
+def convert_bytes(size: float) -> str:
+    """``size`` bytes in the largest unit under 1024 of it, binary steps: ``convert_bytes(1536)`` is ``"1.5 KB"``."""
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if size < 1024.0:
+            return f"{round(size, 2)} {unit}"
+        size /= 1024.0
+    return f"{round(size, 2)} PB"
+
+
+def recursive_getattr(obj: Any, attr: str) -> Any:
+    """``getattr`` along a dotted path: ``recursive_getattr(model, "encoder.layer")``.
+
+    Raises:
+        AttributeError: If a name along the path is missing.
+
+    """
+    return functools.reduce(getattr, attr.split("."), obj)
+
+
+def get_module_children_bottom_up(
+    model: torch.nn.Module, return_fqns: bool = False
+) -> list[torch.nn.Module] | list[tuple[str, torch.nn.Module]]:
+    """Every module of ``model``, children before their parents, ``model`` itself last.
+
+    The order is Accelerate's (a depth-first walk, reversed), which FSDP2 wraps in. With ``return_fqns`` the items are
+    ``(qualified name, module)`` pairs, the root's name being ``""``.
+    """
+    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+    ordered: list[tuple[str, torch.nn.Module]] = []
+    while stack:
+        prefix, current = stack.pop()
+        for name, child in current.named_children():
+            if isinstance(child, torch.nn.Module):
+                stack.append((f"{prefix}.{name}" if prefix else name, child))
+        ordered.append((prefix, current))
+    ordered.reverse()
+    if return_fqns:
+        return ordered
+    return [module for _, module in ordered]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lightning_accel.state import PartialState
 
-__all__ = ["set_seed", "synchronize_rng_state", "synchronize_rng_states"]
+__all__ = ["get_rng_states", "set_rng_states", "set_seed", "synchronize_rng_state", "synchronize_rng_states"]
 
 _RNG_TYPES = ("torch", "cuda", "generator")
 
@@ -75,3 +75,28 @@ def synchronize_rng_states(rng_types: Sequence[str], generator: torch.Generator 
         if str(getattr(rng_type, "value", rng_type)) == "generator" and generator is None:
             continue
         synchronize_rng_state(rng_type, generator)
+
+
+def get_rng_states(step: int) -> dict[str, Any]:
+    """The generator states of this process and ``step``, under the keys of Accelerate's ``random_states_{i}.pkl``.
+
+    numpy's state is ``np.random.get_state()``; CUDA's is there where CUDA is available.
+    """
+    states: dict[str, Any] = {
+        "step": step,
+        "random_state": random.getstate(),
+        "numpy_random_seed": np.random.get_state(),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: Mapping[str, Any]) -> None:
+    """Restore Python's, numpy's, torch's (and CUDA's, where saved and present) generators."""
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if "torch_cuda_manual_seed" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
