@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel.utils.other import convert_bytes
+
 __all__ = ["add_estimate_memory_parser", "checkpoint_meta_model", "estimate_table", "meta_model"]
 
 _DTYPES = ["float32", "float16", "int8", "int4"]
@@ -63,15 +65,6 @@ def add_estimate_memory_parser(commands: argparse._SubParsersAction[argparse.Arg
 # ---------------------------------------------------------------------------------------------------- the table
 
 
-def _human_bytes(size: float) -> str:
-    """``size`` in the largest unit below 1024 of it, rounded to 2 decimals (``1.5 MB``), as Accelerate writes it."""
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
-        if size < 1024.0:
-            return f"{round(size, 2)} {unit}"
-        size /= 1024.0
-    return f"{round(size, 2)} PB"
-
-
 def _adam_training_bytes(total: int, dtype: str) -> int | None:
     """Peak bytes of an Adam step at batch size 1 (the optimizer step, Accelerate's estimate); ``None`` for ints.
 
@@ -93,7 +86,7 @@ def _table_rows(total: int, largest: int, dtypes: Iterable[str]) -> list[list[st
         layer, size = (largest, total) if divisor == 1 else (largest / divisor, total / divisor)
         training = _adam_training_bytes(total, dtype)
         rows.append(
-            [dtype, _human_bytes(layer), _human_bytes(size), "N/A" if training is None else _human_bytes(training)]
+            [dtype, convert_bytes(layer), convert_bytes(size), "N/A" if training is None else convert_bytes(training)]
         )
     return rows
 
