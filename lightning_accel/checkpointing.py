@@ -66,6 +66,7 @@ from lightning_accel.utils.random import get_rng_states, set_rng_states
 
 if TYPE_CHECKING:
     from lightning_accel.accelerator import Accelerator
+    from lightning_accel.config import ProjectConfiguration
 
 __all__ = [
     "checkpoint_folders",
@@ -110,8 +111,14 @@ def _checkpoints_root(accelerator: Accelerator) -> Path:
     return Path(project_dir) / "checkpoints"
 
 
-def _target_dir(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) -> Path:
-    config = accelerator.project_configuration
+def choose_target(config: ProjectConfiguration, output_dir: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint folder of the next ``save_state``, by Accelerate's rules (run it on the main process).
+
+    Raises:
+        ValueError: Without ``output_dir`` and automatic naming; with both; without a project directory for
+            automatic naming; or when the automatically named folder already exists.
+
+    """
     if not config.automatic_checkpoint_naming:
         if output_dir is None:
             raise ValueError("save_state needs output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
@@ -122,7 +129,12 @@ def _target_dir(accelerator: Accelerator, output_dir: str | os.PathLike[str] | N
             " <project_dir>/checkpoints/checkpoint_<i> itself: call save_state() without output_dir, or turn"
             " automatic naming off."
         )
-    target = _checkpoints_root(accelerator) / f"checkpoint_{config.iteration}"
+    if config.project_dir is None:
+        raise ValueError(
+            "automatic_checkpoint_naming needs a project directory: pass Accelerator(project_dir=...) or"
+            " ProjectConfiguration(project_dir=...)."
+        )
+    target = Path(config.project_dir) / "checkpoints" / f"checkpoint_{config.iteration}"
     if target.exists():
         raise ValueError(
             f"Checkpoint folder {target} already exists; set ProjectConfiguration(iteration=...) past it or remove it."
@@ -160,7 +172,7 @@ def save_state(
 
     """
     engine = _engine(accelerator, engine_kwargs)
-    target = _target_dir(accelerator, output_dir)
+    target = choose_target(accelerator.project_configuration, output_dir)
     accelerator.wait_for_everyone()  # every process checked the target before any creates it
     if engine is not None:
         target.mkdir(parents=True, exist_ok=True)

@@ -19,13 +19,13 @@ from torch.utils.hooks import RemovableHandle
 from lightning_accel import checkpointing
 from lightning_accel._shim.checkpoint_publish import (
     SaveTarget,
-    choose_target,
     on_disk_managers,
     publish,
     remove_stale,
     rotate,
 )
 from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel.checkpointing import choose_target
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.utils.modeling_offloaded import get_state_dict_offloaded_model, has_offloaded_params
 from lightning_accel.utils.other import extract_model_from_parallel, save

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_accel.checkpointing import checkpoint_folders
-from lightning_accel.config import ProjectConfiguration
 from lightning_accel.utils.shared_errors import run_where
 
-__all__ = ["SaveTarget", "choose_target", "on_disk_managers", "publish", "remove_stale", "rotate"]
+__all__ = ["SaveTarget", "on_disk_managers", "publish", "remove_stale", "rotate"]
 
 _INCOMPLETE_SUFFIX = ".incomplete"
 
@@ -37,37 +36,6 @@ class SaveTarget:
     def temporary(self) -> Path:
         """The hidden sibling written first: ``<parent>/.<name>.incomplete``."""
         return self.final.parent / f".{self.final.name}{_INCOMPLETE_SUFFIX}"
-
-
-def choose_target(config: ProjectConfiguration, output_dir: str | os.PathLike[str] | None) -> Path:
-    """The checkpoint folder of the next ``save_state``, by Accelerate's rules (run it on the main process).
-
-    Raises:
-        ValueError: Without ``output_dir`` and automatic naming; with both; without a project directory for
-            automatic naming; or when the automatically named folder already exists.
-
-    """
-    if not config.automatic_checkpoint_naming:
-        if output_dir is None:
-            raise ValueError("save_state needs output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
-        return Path(output_dir)
-    if output_dir is not None:
-        raise ValueError(
-            f"save_state got output_dir={os.fspath(output_dir)!r}, but automatic_checkpoint_naming is on and chooses"
-            " <project_dir>/checkpoints/checkpoint_<i> itself: call save_state() without output_dir, or turn"
-            " automatic naming off."
-        )
-    if config.project_dir is None:
-        raise ValueError(
-            "automatic_checkpoint_naming needs a project directory: pass Accelerator(project_dir=...) or"
-            " ProjectConfiguration(project_dir=...)."
-        )
-    target = Path(config.project_dir) / "checkpoints" / f"checkpoint_{config.iteration}"
-    if target.exists():
-        raise ValueError(
-            f"Checkpoint folder {target} already exists; set ProjectConfiguration(iteration=...) past it or remove it."
-        )
-    return target
 
 
 def remove_stale(target: SaveTarget) -> None:
