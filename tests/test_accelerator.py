@@ -358,8 +358,25 @@ def deep_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
-@pytest.mark.parametrize(("max_shard_size", "safe"), [("10GB", True), ("1KB", True), (700, False)])
-def test_save_model_writes_accelerates_files(tmp_path: Path, max_shard_size: int | str, safe: bool) -> None:
+SHARDS_1KB = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+SHARDS_700 = [f"pytorch_model-0000{i}-of-00003.bin" for i in (1, 2, 3)] + ["pytorch_model.bin.index.json"]
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    ("max_shard_size", "safe", "files"),
+    [("10GB", True, ["model.safetensors"]), ("1KB", True, SHARDS_1KB), (700, False, SHARDS_700)],
+)
+def test_save_model_writes_accelerates_files(
+    tmp_path: Path, max_shard_size: int | str, safe: bool, files: list[str]
+) -> None:
     import accelerate
     from accelerate.state import AcceleratorState as HFAcceleratorState
     from accelerate.state import GradientState as HFGradientState
@@ -376,11 +393,22 @@ def test_save_model_writes_accelerates_files(tmp_path: Path, max_shard_size: int
         sorted(p.name for p in (tmp_path / "ours").iterdir()),
         sorted(p.name for p in (tmp_path / "hf").iterdir()),
     )
-    assert ours == theirs
-    assert len(ours) == (1 if max_shard_size == "10GB" else len(ours))
+    assert ours == theirs == files  # one file under 10GB; 2 safetensors shards of 1KB; 3 .bin shards of 700 bytes
+    merged: dict[str, torch.Tensor] = {}
     for name in ours:
         if name.endswith(".json"):
             assert (tmp_path / "ours" / name).read_text() == (tmp_path / "hf" / name).read_text()
+            continue
+        shard, hf_shard = _read_weights(tmp_path / "ours" / name), _read_weights(tmp_path / "hf" / name)
+        assert shard.keys() == hf_shard.keys(), name  # the same tensors in the same shard as HF's
+        for key, value in shard.items():
+            assert torch.equal(value, hf_shard[key]), (name, key)
+        assert not merged.keys() & shard.keys(), name  # each tensor in one shard only
+        merged.update(shard)
+    expected = deep_model().state_dict()
+    assert merged.keys() == expected.keys()  # the shards together hold the whole model, with its values
+    for key, value in expected.items():
+        assert torch.equal(merged[key], value), key
 
 
 def test_save_model_removes_stale_shards_and_checks_sizes(tmp_path: Path) -> None:
