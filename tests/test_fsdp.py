@@ -59,6 +59,22 @@ def test_trainer_matches_ddp_and_shards_parameters(run: tuple[Results, Path], va
     assert results["ddp"][0]["local_fraction"] == 1.0
 
 
+def test_fsdp1_sync_module_states_gives_every_rank_rank_0s_weights(run: tuple[Results, Path]) -> None:
+    """fsdp1_options starts rank 1 from other weights; with sync_module_states, rank 0's are on every rank.
+
+    (test_trainer_matches_ddp_and_shards_parameters then checks that the run trains like ddp from rank 0's start.)
+    """
+    results, _ = run
+    rank0, rank1 = results["fsdp1_options"]
+    assert rank0["initial_weights"].keys() == rank1["initial_weights"].keys()
+    for key, value in rank0["initial_weights"].items():
+        assert not torch.equal(rank1["initial_weights"][key], value), key  # the ranks really started apart
+    for rank in (rank0, rank1):
+        assert rank["weights_at_train_start"].keys() == rank0["initial_weights"].keys()
+        for key, value in rank0["initial_weights"].items():
+            assert torch.equal(rank["weights_at_train_start"][key], value), key
+
+
 @pytest.mark.parametrize("variant", TRAINER_VARIANTS)
 def test_accumulation_matches_ddp(run: tuple[Results, Path], variant: str) -> None:
     results, _ = run

@@ -55,9 +55,32 @@ def local_fraction(model: nn.Module) -> float:
     return local / sum(p.numel() for p in network().parameters())
 
 
-def fit(options: dict[str, Any] | None, epochs: int, accumulate: int = 1, ckpt_path: str | None = None) -> Any:
+class WeightsAtTrainStart(L.Callback):
+    """The full weights every rank holds once the strategy has set the model up (before the first step)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        full = trainer.strategy._fsdp.model_state_dict(trainer.strategy.model, full=True)  # type: ignore[attr-defined]
+        self.weights = {k.removeprefix("net."): v.detach().clone() for k, v in full.items()}
+
+
+def fit(
+    options: dict[str, Any] | None,
+    epochs: int,
+    accumulate: int = 1,
+    ckpt_path: str | None = None,
+    callbacks: list[L.Callback] | None = None,
+    other_weights_off_rank_0: bool = False,
+) -> Any:
     L.seed_everything(42)
     module = Regressor()
+    if other_weights_off_rank_0 and int(os.environ["RANK"]) != 0:
+        with torch.no_grad():  # no random numbers drawn: rank 0 keeps the reference's start, the others differ
+            for param in module.parameters():
+                param.add_(0.5)
+    module.initial_weights = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
     trainer = L.Trainer(
         accelerator=RUN["accelerator"],
         devices=RUN["devices"],
@@ -68,6 +91,7 @@ def fit(options: dict[str, Any] | None, epochs: int, accumulate: int = 1, ckpt_p
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=callbacks,
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
     return trainer, module
@@ -88,6 +112,17 @@ def result(trainer: L.Trainer, module: Regressor, options: dict[str, Any] | None
         "local_fraction": local_fraction(trainer.strategy.model),
         "fsdp_units": sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in modules),
         "checkpoint_wrappers": sum(type(m).__name__ == "CheckpointWrapper" for m in modules),
+    }
+
+
+def sync_module_states(options: dict[str, Any]) -> dict[str, Any]:
+    """FSDP1 with ``sync_module_states`` from other weights on rank 1: rank 0's must reach every rank."""
+    at_start = WeightsAtTrainStart()
+    trainer, module = fit(options, epochs=2, callbacks=[at_start], other_weights_off_rank_0=True)
+    return {
+        **result(trainer, module, options),
+        "initial_weights": module.initial_weights,
+        "weights_at_train_start": at_start.weights,
     }
 
 
@@ -164,7 +199,7 @@ def main() -> None:
         runs[name] = lambda o=options: result(*fit(o, epochs=2), o)
         runs[f"{name}_accum"] = lambda o=options: result(*fit(o, epochs=2, accumulate=2), o)
     runs["fsdp2_options"] = lambda: result(*fit(FSDP2_OPTIONS, epochs=2), FSDP2_OPTIONS)
-    runs["fsdp1_options"] = lambda: result(*fit(FSDP1_OPTIONS, epochs=2), FSDP1_OPTIONS)
+    runs["fsdp1_options"] = lambda: sync_module_states(FSDP1_OPTIONS)
     runs["fsdp2_resume"] = lambda: resume(FSDP2, out, "fsdp2_resume")
     runs["fsdp1_resume"] = lambda: resume(FSDP1_FULL, out, "fsdp1_resume")
     runs["fabric_ddp"] = lambda: fabric(None, out, "fabric_ddp")
