@@ -4,7 +4,17 @@ Each family module (``single_device``, ``ddp``, ...) lists its names in ``ENTRIE
 to the name table, and :func:`register_strategies` copies the table into Lightning's registries.
 """
 
-from lightning_accel.strategies import auto, ddp, deepspeed, device_map, fsdp, parallel, single_device, xla
+from lightning_accel.strategies import (
+    auto,
+    ddp,
+    deepspeed,
+    device_map,
+    fsdp,
+    megatron,
+    parallel,
+    single_device,
+    xla,
+)
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp import AcceleratedFSDPStrategy, FabricAcceleratedFSDPStrategy
 from lightning_accel.strategies.parallel import AcceleratedParallelStrategy, FabricAcceleratedParallelStrategy
@@ -21,7 +31,7 @@ from lightning_accel.strategies.single_device import (
     FabricAcceleratedSingleDeviceStrategy,
 )
 
-for _family in (single_device, ddp, fsdp, deepspeed, parallel, auto, device_map, xla):
+for _family in (single_device, ddp, fsdp, deepspeed, parallel, auto, device_map, xla, megatron):
     for _entry in _family.ENTRIES:
         add_entry(_entry)
 

@@ -1,0 +1,236 @@
+"""``acc_megatron_lm``: Accelerate's ``DistributedType.MEGATRON_LM`` on megatron-core, for the Trainer and Fabric.
+
+Both classes are this package's DDP strategies (one process per device, gloo on CPU and NCCL on CUDA) with
+megatron-core's parallel state built over Lightning's process group; the behaviour lives once in
+:class:`~lightning_accel.strategies.megatron_core.MegatronFamily`. Tensor parallelism comes from the model: build
+megatron-core layers (or :func:`~lightning_accel.strategies.megatron_gpt.gpt_model`) inside ``configure_model`` for
+the Trainer, or after ``fabric.launch()``. Data parallelism is ``DistributedDataParallel`` over megatron's
+data-parallel group, and gradients are clipped by ``MegatronLMPlugin.gradient_clipping`` using the norm of the whole
+(unsharded) gradient. Pipeline, context, expert and sequence parallelism and megatron's distributed optimizer are
+refused with the setting that asks for them (see :func:`~lightning_accel.strategies.megatron_core.check_plugin`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import Precision
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from lightning_accel.config.megatron import MegatronLMPlugin
+from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
+from lightning_accel.strategies.megatron_core import MegatronFamily
+from lightning_accel.strategies.registry import StrategyEntry
+
+__all__ = ["AcceleratedMegatronLMStrategy", "FabricAcceleratedMegatronLMStrategy"]
+
+
+def _refuse_scaled_gradients(precision: Any, family: MegatronFamily) -> None:
+    if family.plugin.gradient_clipping and getattr(precision, "scaler", None) is not None:
+        raise ValueError(
+            f"MegatronLMPlugin(gradient_clipping={family.plugin.gradient_clipping}) cannot clip fp16 gradients that "
+            "are still loss-scaled; use precision='bf16-mixed' or '32-true', or pass gradient_clipping=0"
+        )
+
+
+class AcceleratedMegatronLMStrategy(AcceleratedDDPStrategy):
+    """Trainer strategy for ``DistributedType.MEGATRON_LM``: megatron-core tensor parallelism plus data parallelism.
+
+    Args:
+        megatron_lm_plugin: The Megatron-LM settings; ``None`` is ``MegatronLMPlugin(context_parallel_size=1)``
+            (tensor-parallel size 1).
+        ddp_kwargs: Arguments for the data-parallel ``DistributedDataParallel``.
+        init_kwargs: Process-group options (collective backend, init method, timeout).
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        parallel_devices: Passed to Lightning.
+        cluster_environment: Passed to Lightning.
+        checkpoint_io: Passed to Lightning.
+        precision_plugin: Passed to Lightning.
+
+    Raises:
+        ModuleNotFoundError: If megatron-core is not installed (the message names
+            ``pip install lightning-accel[megatron]``).
+        ValueError: For plugin settings this strategy does not implement (the message names the field and the fix).
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_accel.utils import MegatronLMPlugin
+        >>> plugin = MegatronLMPlugin(tp_degree=2, context_parallel_size=1)
+        >>> strategy = AcceleratedMegatronLMStrategy(plugin)  # doctest: +SKIP
+        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
+
+    """
+
+    def __init__(
+        self,
+        megatron_lm_plugin: MegatronLMPlugin | None = None,
+        *,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        strategy_name: str = "acc_megatron_lm",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self._megatron = MegatronFamily(megatron_lm_plugin, ddp_kwargs)
+        super().__init__(
+            ddp_kwargs=ddp_kwargs,
+            init_kwargs=init_kwargs,
+            strategy_name=strategy_name,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+
+    @property
+    @override
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's type: ``MEGATRON_LM``."""
+        return DistributedType.MEGATRON_LM
+
+    @property
+    def megatron_lm_plugin(self) -> MegatronLMPlugin:
+        """The Megatron-LM settings this strategy runs."""
+        return self._megatron.plugin
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._megatron.check_devices(self.parallel_devices)
+        super()._configure_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self._megatron.setup_parallel_state()
+
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        return self._megatron.wrap(model, self.determine_ddp_device_ids())
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._megatron.sampler_kwargs()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        _refuse_scaled_gradients(self.precision_plugin, self._megatron)
+        target = model if isinstance(model, Module) else self.model
+        assert target is not None
+
+        def closure_then_clip() -> Any:
+            result = closure()
+            self._megatron.clip_gradients(target)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_clip, model, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._megatron.teardown()
+
+
+class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
+    """Fabric twin of :class:`AcceleratedMegatronLMStrategy`.
+
+    It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Gradients are clipped by
+    ``MegatronLMPlugin.gradient_clipping`` in ``optimizer.step()``, just before the update.
+    """
+
+    def __init__(
+        self,
+        megatron_lm_plugin: MegatronLMPlugin | None = None,
+        *,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        strategy_name: str = "acc_megatron_lm",
+        accelerator: FabricAccelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: FabricPrecision | None = None,
+    ) -> None:
+        self._megatron = MegatronFamily(megatron_lm_plugin, ddp_kwargs)
+        self._megatron_modules: list[Module] = []
+        super().__init__(
+            ddp_kwargs=ddp_kwargs,
+            init_kwargs=init_kwargs,
+            strategy_name=strategy_name,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+
+    @property
+    @override
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's type: ``MEGATRON_LM``."""
+        return DistributedType.MEGATRON_LM
+
+    @property
+    def megatron_lm_plugin(self) -> MegatronLMPlugin:
+        """The Megatron-LM settings this strategy runs."""
+        return self._megatron.plugin
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._megatron.check_devices(self.parallel_devices)
+        super()._configure_launcher()
+
+    @override
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()
+        self._megatron.setup_parallel_state()
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        wrapped = self._megatron.wrap(module, self._determine_ddp_device_ids())
+        self._megatron_modules.append(wrapped)
+        return wrapped
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._megatron.sampler_kwargs()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        _refuse_scaled_gradients(self.precision, self._megatron)
+        for module in self._megatron_modules:
+            self._megatron.clip_gradients(module)
+        return super().optimizer_step(optimizer, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._megatron.teardown()
+
+
+ENTRIES = (
+    StrategyEntry(
+        "acc_megatron_lm",
+        AcceleratedMegatronLMStrategy,
+        FabricAcceleratedMegatronLMStrategy,
+        "Accelerate's MEGATRON_LM type: megatron-core tensor parallelism with data-parallel DDP (gloo on CPU)",
+        DistributedType.MEGATRON_LM,
+    ),
+)

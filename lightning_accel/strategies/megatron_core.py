@@ -1,0 +1,229 @@
+"""The behaviour of ``acc_megatron_lm``, written once for the Trainer and Fabric strategies.
+
+:class:`MegatronFamily` checks a :class:`MegatronLMPlugin` against what this strategy implements, builds
+megatron-core's parallel state (tensor-parallel and data-parallel groups) over the process group Lightning created,
+wraps the model in ``DistributedDataParallel`` over the data-parallel group only, shards data by data-parallel rank
+(tensor-parallel ranks read the same batch), and clips gradients by their global norm across the tensor-parallel
+shards. megatron-core is imported when a strategy is built; importing this module does not import it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module, Parameter
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_accel.config import DistributedDataParallelKwargs
+from lightning_accel.config.megatron import MegatronLMPlugin
+
+__all__ = ["MegatronFamily", "check_plugin", "require_megatron"]
+
+_INSTALL = (
+    "acc_megatron_lm needs megatron-core: `pip install lightning-accel[megatron]` (or `pip install megatron-core`; "
+    "0.16.1 is the newest release for Python 3.10/3.11)"
+)
+
+# (field, value the strategy runs, why another value is refused, what to do instead)
+_UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
+    ("pp_degree", 1, "pipeline parallelism (megatron's pipeline schedules) is not implemented; use pp_degree=1"),
+    (
+        "num_micro_batches",
+        1,
+        "micro-batches belong to megatron's pipeline schedules, which are not implemented; use num_micro_batches=1 "
+        "and Trainer(accumulate_grad_batches=N) for gradient accumulation",
+    ),
+    (
+        "context_parallel_size",
+        1,
+        "context parallelism is not implemented (Accelerate's default is 2); pass context_parallel_size=1",
+    ),
+    ("expert_model_parallel_size", 1, "expert parallelism (MoE) is not implemented; use 1"),
+    ("expert_tensor_parallel_size", 1, "expert tensor parallelism (MoE) is not implemented; use 1"),
+    (
+        "sequence_parallelism",
+        False,
+        "sequence parallelism needs megatron's DDP to all-reduce the layer-norm gradients across tensor-parallel "
+        "ranks, which this strategy does not use; pass sequence_parallelism=False",
+    ),
+    (
+        "use_distributed_optimizer",
+        False,
+        "megatron's distributed optimizer is not implemented; pass use_distributed_optimizer=False (or use "
+        "acc_fsdp / acc_deepspeed to shard optimizer state)",
+    ),
+    ("use_custom_fsdp", False, "megatron's custom FSDP is not implemented; pass use_custom_fsdp=False"),
+    ("optimizer_cpu_offload", False, "megatron's optimizer CPU offload is not implemented; pass False"),
+    ("num_layers_per_virtual_pipeline_stage", None, "virtual pipeline stages need pipeline parallelism; pass None"),
+)
+
+
+def require_megatron() -> None:
+    """Raise the install hint when megatron-core is missing (without importing it).
+
+    Raises:
+        ModuleNotFoundError: If ``megatron.core`` cannot be found.
+
+    """
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise ModuleNotFoundError(_INSTALL)
+
+
+def check_plugin(plugin: MegatronLMPlugin | None) -> MegatronLMPlugin:
+    """The plugin to run, refusing settings this strategy does not implement.
+
+    Args:
+        plugin: The user's settings; ``None`` gives ``MegatronLMPlugin(context_parallel_size=1)`` (tp = pp = 1).
+
+    Returns:
+        The plugin.
+
+    Raises:
+        TypeError: If ``plugin`` is not a ``MegatronLMPlugin``.
+        ValueError: Naming the field, its value and the fix, for each setting that is not implemented.
+
+    """
+    if plugin is None:
+        return MegatronLMPlugin(context_parallel_size=1)
+    if not isinstance(plugin, MegatronLMPlugin):
+        raise TypeError(f"megatron_lm_plugin must be a MegatronLMPlugin, got {type(plugin).__name__}: {plugin!r}")
+    for name, supported, fix in _UNSUPPORTED:
+        value = getattr(plugin, name)
+        if value != supported:
+            raise ValueError(f"acc_megatron_lm cannot run MegatronLMPlugin({name}={value!r}): {fix}.")
+    return plugin
+
+
+class MegatronFamily:
+    """Parallel state, wrapping, data sharding and clipping of one ``acc_megatron_lm`` strategy.
+
+    Args:
+        plugin: The Megatron-LM settings (checked by :func:`check_plugin`).
+        ddp_kwargs: Arguments for the data-parallel ``DistributedDataParallel``.
+
+    Raises:
+        ModuleNotFoundError: If megatron-core is not installed.
+
+    """
+
+    def __init__(self, plugin: MegatronLMPlugin | None, ddp_kwargs: DistributedDataParallelKwargs | None) -> None:
+        require_megatron()
+        self.plugin = check_plugin(plugin)
+        self.ddp_kwargs = ddp_kwargs if ddp_kwargs is not None else DistributedDataParallelKwargs()
+        self._initialized_here = False
+
+    def check_devices(self, devices: list[torch.device] | None) -> None:
+        """Refuse settings the chosen devices cannot run.
+
+        Raises:
+            ValueError: For ``recompute_activations`` on CPU (megatron's activation checkpointing saves and restores
+                the CUDA RNG state).
+
+        """
+        if devices and devices[0].type == "cpu" and self.plugin.recompute_activations:
+            raise ValueError(
+                "MegatronLMPlugin(recompute_activations=True) needs CUDA: megatron-core's activation checkpointing "
+                "saves the CUDA RNG state. Pass recompute_activations=False on CPU."
+            )
+
+    def setup_parallel_state(self) -> None:
+        """Build megatron-core's tensor- and data-parallel groups over the default process group.
+
+        Raises:
+            RuntimeError: If the default process group does not exist yet.
+            ValueError: If the world size is not a multiple of ``tp_degree``, or megatron's state already exists with
+                another tensor-parallel size.
+
+        """
+        from megatron.core import parallel_state
+
+        if not dist.is_initialized():
+            raise RuntimeError("acc_megatron_lm sets up megatron-core after the process group; none exists yet")
+        tp, world = self.plugin.tp_degree, dist.get_world_size()
+        if world % tp:
+            raise ValueError(
+                f"MegatronLMPlugin(tp_degree={tp}) does not divide the world size {world}: run a multiple of {tp} "
+                f"processes (devices x nodes), or pick a tp_degree that divides {world}"
+            )
+        if parallel_state.model_parallel_is_initialized():
+            existing = parallel_state.get_tensor_model_parallel_world_size()
+            if existing != tp:
+                raise ValueError(
+                    f"megatron-core's parallel state already exists with tensor-parallel size {existing}, not "
+                    f"tp_degree={tp}; call megatron.core.parallel_state.destroy_model_parallel() first"
+                )
+            return
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        self._initialized_here = True
+
+    def teardown(self) -> None:
+        """Destroy megatron-core's parallel state if this strategy built it."""
+        if self._initialized_here:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            self._initialized_here = False
+
+    def sampler_kwargs(self) -> dict[str, int]:
+        """``DistributedSampler`` arguments: one shard per data-parallel rank (tensor-parallel peers share it)."""
+        from megatron.core import parallel_state
+
+        return {
+            "num_replicas": parallel_state.get_data_parallel_world_size(),
+            "rank": parallel_state.get_data_parallel_rank(),
+        }
+
+    def wrap(self, module: Module, device_ids: list[int] | None) -> DistributedDataParallel:
+        """Wrap ``module`` in ``DistributedDataParallel`` over megatron's data-parallel group."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group()
+        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=group, **self.ddp_kwargs.to_kwargs())
+        self.ddp_kwargs.register_comm_hook(ddp)
+        return ddp
+
+    def clip_gradients(self, module: Module) -> torch.Tensor | None:
+        """Clip by ``plugin.gradient_clipping`` (0 disables) using the norm of the whole, unsharded gradient.
+
+        Returns:
+            The total norm before clipping, or ``None`` when clipping is disabled.
+
+        """
+        if not self.plugin.gradient_clipping:
+            return None
+        return clip_grad_norm_across_tensor_parallel(module.parameters(), self.plugin.gradient_clipping)
+
+
+def clip_grad_norm_across_tensor_parallel(parameters: Iterable[Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so that the L2 norm of the full model's gradient is at most ``max_norm``.
+
+    Each tensor-parallel shard counts once and each parameter copied on every tensor-parallel rank (layer norms,
+    biases of row-parallel layers) counts once, so the norm equals the one a ``tp_degree=1`` run computes.
+    megatron-core's own ``get_grad_norm_fp32`` allocates on CUDA, hence this version.
+
+    Returns:
+        The total norm before clipping.
+
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    with_grad = [p for p in parameters if p.grad is not None]
+    counted = [p.grad for p in with_grad if param_is_not_tensor_parallel_duplicate(p)]
+    device = with_grad[0].grad.device if with_grad else torch.device("cpu")  # type: ignore[union-attr]
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in counted:
+        assert grad is not None
+        squares += grad.detach().float().pow(2).sum()
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    total = squares.sqrt()
+    coefficient = max_norm / (float(total) + 1e-6)
+    if coefficient < 1.0:
+        for p in with_grad:
+            assert p.grad is not None
+            p.grad.detach().mul_(coefficient)
+    return total

@@ -1,0 +1,183 @@
+"""``acc_megatron_lm`` on CPU processes (gloo): a small megatron-core GPT trained for a few steps.
+
+Run under ``torch.distributed.run``. With 1 process it trains the references (``tp1``: tp=1, gradient clipping on;
+``tp1_noclip``: clipping off); with 2 processes ``tp2`` (Trainer, tp=2), ``fabric_tp2`` (Fabric, tp=2) and ``dp2``
+(Trainer, tp=1 and data parallelism 2). Every run sees the same global batches and starts from the same weights.
+Each rank saves ``{variant}_rank{r}.pt`` with the global loss of every step, the full (tensor-parallel shards
+gathered) weights after training, and what the strategy reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_accel  # noqa: F401  (registers the strategy names)
+from lightning_accel.strategies.megatron import AcceleratedMegatronLMStrategy, FabricAcceleratedMegatronLMStrategy
+from lightning_accel.strategies.megatron_gpt import gpt_model
+from lightning_accel.utils import MegatronLMPlugin
+
+SEQ, VOCAB, GLOBAL_BATCH, SAMPLES, STEPS, LR = 8, 32, 4, 16, 4, 0.5
+CLIP = 0.05  # small enough that every step clips
+COMMON: dict[str, Any] = {"context_parallel_size": 1, "use_rotary_position_embeddings": False}  # rope needs CUDA
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator)
+    return TensorDataset(ids, labels)
+
+
+def build(plugin: MegatronLMPlugin) -> nn.Module:
+    torch.manual_seed(1234)  # the same full weights on every rank and for every tp_degree
+    return gpt_model(
+        plugin, vocab_size=VOCAB, max_sequence_length=SEQ, num_layers=2, hidden_size=16, num_attention_heads=4
+    )
+
+
+def loss_of(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    ids, labels = batch
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    causal = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)  # True = masked
+    return model(ids, positions, causal, labels=labels).mean()
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight made whole: tensor-parallel shards gathered over megatron's tensor-parallel group."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    whole = {}
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        whole[name] = tensor.clone()
+    return whole
+
+
+def global_loss(loss: torch.Tensor) -> float:
+    from megatron.core import parallel_state
+
+    value = loss.detach().clone()
+    dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    return float(value) / parallel_state.get_data_parallel_world_size()
+
+
+def report(strategy: Any, model: nn.Module) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    attention = type(model.get_submodule("decoder.layers.0.self_attention.core_attention")).__name__
+    return {
+        "distributed_type": str(strategy.distributed_type),
+        "sampler": dict(strategy.distributed_sampler_kwargs),
+        "tp": (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()),
+        "dp": (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()),
+        "core_attention": attention,
+        "qkv_shape": tuple(model.get_parameter("decoder.layers.0.self_attention.linear_qkv.weight").shape),
+    }
+
+
+class GPTModule(L.LightningModule):
+    def __init__(self, plugin: MegatronLMPlugin) -> None:
+        super().__init__()
+        self.plugin = plugin
+        self.gpt: nn.Module | None = None
+        self.losses: list[float] = []
+        self.result: dict[str, Any] = {}
+
+    def configure_model(self) -> None:
+        if self.gpt is None:
+            self.gpt = build(self.plugin)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.gpt is not None
+        loss = loss_of(self.gpt, batch)
+        self.losses.append(global_loss(loss))
+        return loss
+
+    def on_train_end(self) -> None:  # before the strategy's teardown destroys megatron's parallel state
+        assert self.gpt is not None
+        self.result = {"weights": full_weights(self.gpt), **report(self.trainer.strategy, self.gpt)}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def run_trainer(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
+    strategy = AcceleratedMegatronLMStrategy(plugin)
+    module = GPTModule(plugin)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    dp = world // plugin.tp_degree
+    trainer.fit(module, DataLoader(dataset(), batch_size=GLOBAL_BATCH // dp))
+    return {"losses": module.losses, **module.result}
+
+
+def run_fabric(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
+    strategy = FabricAcceleratedMegatronLMStrategy(plugin)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = build(plugin)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    wrapped, optimizer = fabric.setup(model, optimizer)
+    dp = world // plugin.tp_degree
+    # shuffle=True: Fabric's DistributedSampler then shuffles with seed 0, as the Trainer's always does for training
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=GLOBAL_BATCH // dp, shuffle=True))
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == STEPS:
+            break
+        loss = loss_of(wrapped, batch)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(global_loss(loss))
+    result = {"losses": losses, "weights": full_weights(model), **report(strategy, model)}
+    strategy.teardown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world == 1:
+        variants = {
+            "tp1": lambda: run_trainer(MegatronLMPlugin(**COMMON, gradient_clipping=CLIP), 1),
+            "tp1_noclip": lambda: run_trainer(MegatronLMPlugin(**COMMON, gradient_clipping=0), 1),
+        }
+    else:
+        tp2 = MegatronLMPlugin(tp_degree=2, **COMMON, gradient_clipping=CLIP)
+        variants = {
+            "tp2": lambda: run_trainer(tp2, 2),
+            "fabric_tp2": lambda: run_fabric(tp2, 2),
+            "dp2": lambda: run_trainer(MegatronLMPlugin(**COMMON, gradient_clipping=CLIP), 2),
+        }
+    for name, run in variants.items():
+        torch.save(run(), args.out / f"{name}_rank{rank}.pt")
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
