@@ -26,10 +26,12 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp_core import DDPFamily, DDPFamilyAdapter
 from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.lightning_internals import lightning_private_members
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
+@lightning_private_members("_configure_launcher", "_setup_model", "_register_ddp_hooks", "_get_process_group_backend")
 class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
     """Trainer strategy for one process per device, gradients averaged by ``DistributedDataParallel``.
 
@@ -111,6 +113,13 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
         """Hooks are registered by :meth:`_setup_model` on every device type (Lightning limits them to CUDA)."""
 
 
+@lightning_private_members(
+    "_configure_launcher",
+    "_setup_distributed",
+    "_set_world_ranks",
+    "_determine_ddp_device_ids",
+    "_get_process_group_backend",
+)
 class FabricAcceleratedDDPStrategy(DDPFamilyAdapter, _FabricDDPStrategy):
     """Fabric twin of :class:`AcceleratedDDPStrategy`.
 

@@ -53,6 +53,11 @@ from lightning_accel.strategies.deepspeed_fp8 import facts_precision
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
+from lightning_accel.utils.lightning_internals import (
+    lightning_private,
+    lightning_private_members,
+    set_lightning_private,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -64,6 +69,16 @@ __all__ = [
 ]
 
 
+@lightning_private_members(
+    "_configure_launcher",
+    "_format_config",
+    "_initialize_deepspeed_train",
+    "_initialize_deepspeed_inference",
+    "_setup_model_and_optimizer",
+    "_init_config_if_needed",
+    "_init_deepspeed_distributed",
+    "_set_deepspeed_activation_checkpointing",
+)
 class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     """Trainer strategy running DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) on CPU or CUDA devices.
 
@@ -177,7 +192,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     @override
     def _format_config(self) -> None:
         module = self.lightning_module
-        trainer = None if module is None else module._trainer
+        trainer = None if module is None else lightning_private(module, "_trainer")
         self.config = self._family.resolve(self._training_facts(trainer))
         accumulation = self.config["gradient_accumulation_steps"]
         if trainer is not None and trainer.accumulate_grad_batches != accumulation:
@@ -201,7 +216,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         )
 
     def _train_batch_size(self, trainer: pl.Trainer) -> int | None:
-        source = trainer.fit_loop._data_source
+        source = lightning_private(trainer.fit_loop, "_data_source")
         if not source.is_defined():
             return None
         sizes = set(_batch_sizes(source.dataloader()))
@@ -318,6 +333,14 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         """Register nothing: the ``acc_deepspeed*`` names come from lightning_accel's table."""
 
 
+@lightning_private_members(
+    "_configure_launcher",
+    "_setup_distributed",
+    "_set_world_ranks",
+    "_init_deepspeed_distributed",
+    "_format_config",
+    "_initialize_engine",
+)
 class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     """Fabric twin of :class:`AcceleratedDeepSpeedStrategy`.
 
@@ -377,7 +400,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
             exclude_frozen_parameters=exclude_frozen_parameters,
             logging_level=logging_level,
         )
-        self._backward_sync_control = _AccumulationBoundary(self._family)
+        set_lightning_private(self, "_backward_sync_control", _AccumulationBoundary(self._family))
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
@@ -408,9 +431,9 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         reset_seed()
         self._set_world_ranks()
         self._init_deepspeed_distributed()
-        if not self._config_initialized:
+        if not lightning_private(self, "_config_initialized"):
             self._format_config()
-            self._config_initialized = True
+            set_lightning_private(self, "_config_initialized", True)
 
     @override
     def _format_config(self) -> None:
@@ -435,7 +458,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        if not self._config_initialized:
+        if not lightning_private(self, "_config_initialized"):
             raise RuntimeError(
                 "The DeepSpeed config is decided when the processes start: call `fabric.launch()` before"
                 " `fabric.init_module()`."
@@ -452,7 +475,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     ) -> None:
         path = self.broadcast(path)
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-        self._family.save_full_weights(self._deepspeed_engine, path)
+        self._family.save_full_weights(self.model, path)
 
     @classmethod
     @override

@@ -34,10 +34,16 @@ from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceler
 from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.lightning_internals import (
+    lightning_private,
+    lightning_private_members,
+    set_lightning_private,
+)
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
+@lightning_private_members("_configure_launcher", "_setup_model")
 class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
     """Trainer strategy that shards parameters, gradients and optimizer state across processes.
 
@@ -106,8 +112,9 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
         self.accelerator.setup(trainer)
         sharded = self._sharded_model_of(self.model)
         if sharded is None:
-            if self._layer_sync:
-                self.model = self._layer_sync.apply(self.model)
+            layer_sync = lightning_private(self, "_layer_sync")
+            if layer_sync:
+                self.model = layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             sharded = self._sharded_model = self._setup_model(self.model)
@@ -214,7 +221,8 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
         """
         assert self.model is not None and self.lightning_module is not None
         with context():
-            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+            redirect = lightning_private(self, "_forward_redirection")
+            return redirect(self.model, self.lightning_module, method, *args, **kwargs)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -225,7 +233,7 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         return self._fsdp.optimizer_state_dict(self.model, optimizer)
 
     @override
@@ -249,7 +257,7 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
         path = Path(self.broadcast(checkpoint_path))
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         return self._fsdp.load_trainer_checkpoint(path, self.model, optimizers, self.lightning_module.strict_loading)
 
 
@@ -262,6 +270,7 @@ class _FSDPBackwardSyncControl(_BackwardSyncControl):
         return self._family.no_sync(module, enabled)
 
 
+@lightning_private_members("_configure_launcher")
 class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrategy):
     """Fabric twin of :class:`AcceleratedFSDPStrategy` (``precision`` instead of ``precision_plugin``).
 
@@ -296,7 +305,7 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
             precision=precision,
             start_method=start_method,
         )
-        self._backward_sync_control = _FSDPBackwardSyncControl(self._fsdp)
+        set_lightning_private(self, "_backward_sync_control", _FSDPBackwardSyncControl(self._fsdp))
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
 
     @override

@@ -36,6 +36,11 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.lightning_internals import (
+    lightning_private,
+    lightning_private_members,
+    set_lightning_private,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -43,6 +48,7 @@ if TYPE_CHECKING:
 ParallelizeFn = Callable[[Module, "DeviceMesh"], Module]
 
 
+@lightning_private_members("_configure_launcher", "_setup_distributed")
 class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelStrategy):
     """Trainer strategy for N-D parallelism from a :class:`~lightning_accel.config.ParallelismConfig`.
 
@@ -101,9 +107,10 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
     def setup_environment(self) -> None:
         """Start the process group, build Accelerate's mesh and hand it to the LightningModule's ``device_mesh``."""
         self._setup_distributed()
-        self._device_mesh = self._parallel.build_mesh(self.root_device.type)
+        mesh = self._parallel.build_mesh(self.root_device.type)
+        set_lightning_private(self, "_device_mesh", mesh)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_lightning_private(self.lightning_module, "_device_mesh", mesh)
 
     @property
     @override
@@ -161,7 +168,8 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
         """Run a step through the model's ``forward`` so an FSDP2 root on the LightningModule gathers first."""
         assert self.model is not None and self.lightning_module is not None
         with context():
-            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+            redirect = lightning_private(self, "_forward_redirection")
+            return redirect(self.model, self.lightning_module, method, *args, **kwargs)
 
     @contextmanager
     @override
@@ -179,7 +187,7 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         return self._parallel.checkpoints.optimizer_state_dict(self.model, optimizer)
 
     @override
@@ -200,11 +208,12 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
         path = Path(self.broadcast(checkpoint_path))
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
         return self._parallel.checkpoints.load_trainer_checkpoint(path, self.model, optimizers, strict)
 
 
+@lightning_private_members("_configure_launcher", "_setup_distributed")
 class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParallelStrategy):
     """Fabric twin of :class:`AcceleratedParallelStrategy`.
 
@@ -263,7 +272,7 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParal
     def setup_environment(self) -> None:
         """Start the process group and build Accelerate's mesh (``device_mesh`` and ``torch_device_mesh``)."""
         self._setup_distributed()
-        self._device_mesh = self._parallel.build_mesh(self.root_device.type)
+        set_lightning_private(self, "_device_mesh", self._parallel.build_mesh(self.root_device.type))
 
     @property
     @override
@@ -295,7 +304,7 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParal
     def _user_parallelized(self, module: Module) -> Module:
         if self.device_mesh is None:
             return module
-        result = self._parallelize_fn(module, self.device_mesh)  # type: ignore[arg-type]  # Lightning's TypeVar
+        result = lightning_private(self, "_parallelize_fn")(module, self.device_mesh)
         if not isinstance(result, Module):
             raise TypeError(f"`parallelize_fn` must return the nn.Module, got {type(result).__name__}.")
         return result
@@ -303,7 +312,8 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParal
     @property
     @override
     def device_mesh(self) -> DeviceMesh:  # None with a single process
-        return self._device_mesh  # type: ignore[return-value]
+        mesh: DeviceMesh = lightning_private(self, "_device_mesh")
+        return mesh
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:

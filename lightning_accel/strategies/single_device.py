@@ -22,6 +22,11 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.compile import apply_dynamo
+from lightning_accel.utils.lightning_internals import (
+    lightning_private,
+    lightning_private_members,
+    set_lightning_private,
+)
 
 
 def _pick_device(
@@ -45,27 +50,28 @@ class _SingleDeviceAdapter:
     """What the Trainer and Fabric ``acc_no`` strategies share (listed before Lightning's strategy in the bases)."""
 
     distributed_type = DistributedType.NO
-    _root_device: torch.device
     parallel_devices: list[torch.device] | None
 
     def _adopt(self, strategy_name: str, dynamo_plugin: TorchDynamoPlugin | None, device_given: bool) -> None:
         """Keep the constructor's own arguments, once Lightning has parsed the device into ``_root_device``."""
         self._strategy_name = strategy_name
         self._dynamo_plugin = dynamo_plugin
-        self._explicit_device = self._root_device if device_given else None
+        self._explicit_device: torch.device | None = lightning_private(self, "_root_device") if device_given else None
         # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
         self.parallel_devices = None
 
     def _pick_device_and_bind(self, precision: Any) -> None:
         """Settle the device (the explicit one, else Lightning's single pick) and bind ``precision`` to it."""
-        self._root_device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
-        bind_precision(precision, [self._root_device])
+        device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
+        set_lightning_private(self, "_root_device", device)
+        bind_precision(precision, [device])
 
     def _compiled(self, module: Module) -> Module:
         """``module``, compiled in place as the dynamo plugin says."""
         return apply_dynamo(module, self._dynamo_plugin)
 
 
+@lightning_private_members("_configure_launcher")
 class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDeviceStrategy):
     """Trainer strategy for one process on one device: cpu, cuda, mps or whichever device the accelerator gives.
 
@@ -111,6 +117,7 @@ class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDevice
         super().setup(trainer)
 
 
+@lightning_private_members("_configure_launcher")
 class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleDeviceStrategy):
     """Fabric twin of :class:`AcceleratedSingleDeviceStrategy` (``precision`` instead of ``precision_plugin``)."""
 
