@@ -103,9 +103,13 @@ def _launch_config(
     """The elastic agent's ``LaunchConfig`` (a static rendezvous gets this node's rank)."""
     from torch.distributed.launcher.api import LaunchConfig
 
+    from lightning_accel.utils.rendezvous import fresh_static_backend
+
     configs = dict(rdzv_conf or {})
     if rdzv_backend == "static":
         configs["rank"] = node_rank
+        if max_restarts > 0:  # torch's static rendezvous would hand a restart the dead attempt's store
+            rdzv_backend = fresh_static_backend()
     options: dict[str, Any] = {
         "min_nodes": num_nodes,
         "max_nodes": num_nodes,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from lightning_accel.utils.shared_errors import raise_on_every_process, run_where, shareable
+from tests import restarts
 from tests.helpers import SCRIPTS, clean_env, free_port, run_python
 
 CASE_TIMEOUT = 150
@@ -131,33 +132,25 @@ def test_sigkill_during_save_state_leaves_the_previous_state_loadable(tmp_path: 
     assert {p.name for p in (checkpoints / "checkpoint_1").iterdir()} >= {"random_states_0.pkl", "random_states_1.pkl"}
 
 
-def _launch_restartable(project: Path, out: Path, *extra: str) -> None:
-    run_python(
-        [
-            "-m",
-            "lightning_accel.cli",
-            "launch",
-            "--config_file",
-            str(Path(__file__).parent / "fixtures" / "accelerate_configs" / "multi_cpu.yaml"),
-            "--max_restarts=1",
-            "--monitor_interval=1",
-            str(SCRIPTS / "faults_restart.py"),
-            f"--project={project}",
-            f"--out={out}",
-            *extra,
-        ],
-        240,
-    )
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The weights of the restart script's run without a kill."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    restarts.run("standalone", root / "project", root / "weights.pt")
+    return root / "weights.pt"
 
 
-def test_a_killed_worker_restarts_and_the_run_ends_bit_identical(tmp_path: Path) -> None:
-    """SIGKILL of one worker mid-run: the launcher restarts both, they resume from the newest complete checkpoint."""
-    import torch
+@pytest.mark.parametrize("topology", restarts.TOPOLOGIES)
+def test_a_killed_worker_restarts_and_the_run_ends_bit_identical(
+    topology: str, uninterrupted: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of one worker mid-run: the launcher restarts both, they resume from the newest complete checkpoint.
 
-    _launch_restartable(tmp_path / "plain", tmp_path / "plain.pt")
-    _launch_restartable(tmp_path / "killed", tmp_path / "killed.pt", "--kill-at-step=5")
-    plain, killed = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "killed.pt")
-    assert plain.keys() == killed.keys()
-    for key in plain:
-        assert torch.equal(plain[key], killed[key]), key
-    assert [p.name for p in sorted((tmp_path / "killed" / "checkpoints").iterdir())] == ["checkpoint_4", "checkpoint_5"]
+    ``fixed_port`` and ``two_nodes`` use torch's static rendezvous, whose one store for all attempts made the
+    restarted workers hang or fail to connect before lightning_accel gave each restart a fresh store.
+    """
+    output = restarts.run(topology, tmp_path / "project", tmp_path / "weights.pt", kill_at_step=5)
+    assert "exitcode: -9" in output  # the kill happened, and the launcher restarted the run
+    assert restarts.mismatches(uninterrupted, tmp_path / "weights.pt") == []
+    checkpoints = tmp_path / "project" / "checkpoints"
+    assert [p.name for p in sorted(checkpoints.iterdir())] == ["checkpoint_4", "checkpoint_5"]

@@ -18,7 +18,7 @@ from lightning_accel.config import _arguments
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, section_settings
 from lightning_accel.strategies.registry import entry_for
 from lightning_accel.utils.environment import env_from_settings
-from lightning_accel.utils.launch import _CPU_THREAD_ENV, _VISIBLE_DEVICES
+from lightning_accel.utils.launch import _CPU_THREAD_ENV, _DEFAULT_PORT, _VISIBLE_DEVICES
 
 __all__ = ["LaunchPlan", "parallelism_settings", "plan_launch", "run_plan"]
 
@@ -186,8 +186,29 @@ def run_plan(plan: LaunchPlan) -> int:
     # "connectFullMesh failed ... Connection refused". Unshared, every rendezvous round gets a fresh store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        torchrun.run(args)
+        if args.rdzv_backend == "static" and not args.standalone and args.max_restarts > 0:
+            _run_static_with_fresh_stores(args)
+        else:
+            torchrun.run(args)
     except ChildFailedError as err:
         print(err, file=sys.stderr)
         return 1
     return 0
+
+
+def _run_static_with_fresh_stores(args: Any) -> None:
+    """``torch.distributed.run`` with its static rendezvous replaced by one that gives every restart a new store.
+
+    torch's static rendezvous (the agents meet on a fixed port) keeps one store for all attempts, the same fault as
+    above: see :mod:`lightning_accel.utils.rendezvous`.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+
+    from lightning_accel.utils.rendezvous import fresh_static_backend
+
+    if args.master_port is None:
+        args.master_port = _DEFAULT_PORT  # as torch.distributed.run does
+    config, entrypoint, entry_args = torchrun.config_from_args(args)
+    config.rdzv_backend = fresh_static_backend()
+    elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)

@@ -1,4 +1,4 @@
-"""A Trainer run (2 CPU processes, CheckpointRotation + SeedableSampler) that a restart must finish bit for bit.
+"""A Trainer run (2 CPU processes on one or two "nodes", CheckpointRotation + SeedableSampler) that a restart must finish bit for bit.
 
 Started by ``lightning-accel launch --max_restarts 1``. With ``--kill-at-step N``, rank 1 of the first attempt
 SIGKILLs itself once step ``N`` is checkpointed; the launcher restarts both workers, which resume from the newest
@@ -55,7 +55,8 @@ def main() -> None:
     )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=int(os.environ["GROUP_WORLD_SIZE"]),
         strategy="acc_multi_cpu",
         max_steps=12,
         logger=False,

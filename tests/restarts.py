@@ -1,0 +1,80 @@
+"""Kill-and-restart runs under ``lightning-accel launch --max_restarts 1``, shared by the tests and the benchmark.
+
+One run is ``tests/scripts/faults_restart.py`` (a 2-process Trainer run with ``CheckpointRotation`` and
+``SeedableSampler``) started in one of three topologies:
+
+- ``standalone``: one machine, no port given (torch's ``c10d`` rendezvous on a free port);
+- ``fixed_port``: one machine with ``--main_process_port`` (torch's ``static`` rendezvous);
+- ``two_nodes``: two ``lightning-accel launch`` processes on loopback, one worker each (``static``, node ranks 0, 1).
+
+With ``kill_at_step``, rank 1 of the first attempt SIGKILLs itself; the run must still end with the weights of an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.helpers import SCRIPTS, clean_env, free_port
+
+TOPOLOGIES = ("standalone", "fixed_port", "two_nodes")
+_CONFIG = Path(__file__).parent / "fixtures" / "accelerate_configs" / "multi_cpu.yaml"
+
+
+def _node_commands(topology: str, project: Path, out: Path, kill_at_step: int | None) -> list[list[str]]:
+    launch = [sys.executable, "-m", "lightning_accel.cli", "launch", "--config_file", str(_CONFIG)]
+    launch += ["--max_restarts=1", "--monitor_interval=1"]
+    script = [str(SCRIPTS / "faults_restart.py"), f"--project={project}", f"--out={out}"]
+    script += [f"--kill-at-step={kill_at_step}"] if kill_at_step is not None else []
+    if topology == "standalone":
+        return [[*launch, *script]]
+    port = str(free_port())
+    if topology == "fixed_port":
+        return [[*launch, "--main_process_port", port, *script]]
+    if topology == "two_nodes":
+        nodes = ["--num_machines", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port]
+        return [[*launch, *nodes, "--machine_rank", str(rank), *script] for rank in (0, 1)]
+    raise ValueError(f"unknown topology {topology!r}; expected one of {TOPOLOGIES}")
+
+
+def run(topology: str, project: Path, out: Path, kill_at_step: int | None = None, timeout: float = 300) -> str:
+    """Run the script in ``topology``; return the launchers' output.
+
+    Raises:
+        AssertionError: If a launcher fails or the run outlasts ``timeout`` seconds (every process is then killed).
+
+    """
+    env = clean_env()
+    procs = [
+        subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        for cmd in _node_commands(topology, project, out, kill_at_step)
+    ]
+    outputs: list[str] = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"{topology} run did not finish in {timeout}s:\n" + "\n".join(outputs)) from None
+    text = "\n".join(outputs)
+    if any(proc.returncode != 0 for proc in procs):
+        raise AssertionError(f"{topology} run failed:\n{text[-8000:]}")
+    return text
+
+
+def mismatches(reference: Path, result: Path) -> list[str]:
+    """Names of the tensors that differ between two saved state dicts (all of them if the keys differ)."""
+    expected, got = torch.load(reference), torch.load(result)
+    if expected.keys() != got.keys():
+        return sorted(set(expected) ^ set(got))
+    return [key for key in expected if not torch.equal(expected[key], got[key])]
