@@ -117,7 +117,7 @@ class AcceleratedMegatronLMStrategy(AcceleratedDDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        self._megatron.setup_parallel_state()
+        self._megatron.setup_parallel_state(self.root_device)
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
@@ -199,7 +199,7 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
     @override
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
-        self._megatron.setup_parallel_state()
+        self._megatron.setup_parallel_state(self.root_device)
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:

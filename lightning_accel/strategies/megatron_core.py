@@ -130,8 +130,11 @@ class MegatronFamily:
                 "saves the CUDA RNG state. Pass recompute_activations=False on CPU."
             )
 
-    def setup_parallel_state(self) -> None:
+    def setup_parallel_state(self, root_device: torch.device) -> None:
         """Build megatron-core's tensor- and data-parallel groups over the default process group.
+
+        On CUDA it also seeds megatron's CUDA RNG tracker (its attention dropout forks it) from
+        ``torch.initial_seed()``, which Lightning set from ``seed_everything``.
 
         Raises:
             RuntimeError: If the default process group does not exist yet.
@@ -159,6 +162,10 @@ class MegatronFamily:
             return
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
         self._initialized_here = True
+        if root_device.type == "cuda":
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
 
     def teardown(self) -> None:
         """Destroy megatron-core's parallel state if this strategy built it."""

@@ -37,17 +37,16 @@ def dataset() -> TensorDataset:
     return TensorDataset(ids, labels)
 
 
-def build(plugin: MegatronLMPlugin) -> nn.Module:
+def build(plugin: MegatronLMPlugin, cpu_attention: bool | None = None) -> nn.Module:
     torch.manual_seed(1234)  # the same full weights on every rank and for every tp_degree
-    return gpt_model(
-        plugin, vocab_size=VOCAB, max_sequence_length=SEQ, num_layers=2, hidden_size=16, num_attention_heads=4
-    )
+    sizes = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4}
+    return gpt_model(plugin, vocab_size=VOCAB, max_sequence_length=SEQ, cpu_attention=cpu_attention, **sizes)
 
 
 def loss_of(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     ids, labels = batch
-    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    causal = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)  # True = masked
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    causal = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).triu(1)  # True: masked
     return model(ids, positions, causal, labels=labels).mean()
 
 
@@ -63,7 +62,7 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, tensor.contiguous(), group=group)
             tensor = torch.cat(parts, dim=param.partition_dim)
-        whole[name] = tensor.clone()
+        whole[name] = tensor.detach().cpu().clone()
     return whole
 
 
@@ -90,16 +89,17 @@ def report(strategy: Any, model: nn.Module) -> dict[str, Any]:
 
 
 class GPTModule(L.LightningModule):
-    def __init__(self, plugin: MegatronLMPlugin) -> None:
+    def __init__(self, plugin: MegatronLMPlugin, cpu_attention: bool | None = None) -> None:
         super().__init__()
         self.plugin = plugin
+        self.cpu_attention = cpu_attention
         self.gpt: nn.Module | None = None
         self.losses: list[float] = []
         self.result: dict[str, Any] = {}
 
     def configure_model(self) -> None:
         if self.gpt is None:
-            self.gpt = build(self.plugin)
+            self.gpt = build(self.plugin, self.cpu_attention)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.gpt is not None
@@ -115,11 +115,13 @@ class GPTModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def run_trainer(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
+def run_trainer(
+    plugin: MegatronLMPlugin, world: int, accelerator: str = "cpu", cpu_attention: bool | None = None
+) -> dict[str, Any]:
     strategy = AcceleratedMegatronLMStrategy(plugin)
-    module = GPTModule(plugin)
+    module = GPTModule(plugin, accelerator == "cpu" if cpu_attention is None else cpu_attention)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world,
         strategy=strategy,
         max_steps=STEPS,
@@ -137,7 +139,7 @@ def run_fabric(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
     strategy = FabricAcceleratedMegatronLMStrategy(plugin)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
-    model = build(plugin)
+    model = build(plugin, cpu_attention=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     wrapped, optimizer = fabric.setup(model, optimizer)
     dp = world // plugin.tp_degree
