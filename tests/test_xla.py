@@ -1,9 +1,9 @@
 """``acc_xla`` (``DistributedType.XLA``) on torch_xla's PJRT CPU runtime, against plain PyTorch on CPU.
 
 Runs where torch_xla is installed (``tests/xla_stage.sh`` builds a virtual environment with torch 2.9.0 and
-torch-xla 2.9.0 and sets ``PJRT_DEVICE=CPU``); elsewhere only the registry and the missing-package error are checked.
-One device: PJRT's CPU client runs one process, and two CPU devices in one process (``CPU_NUM_DEVICES=2``, one
-thread each) hang in torch-xla 2.9.0's first all-reduce, so several replicas are not tested here.
+torch-xla 2.9.0 and sets ``PJRT_DEVICE=CPU``); elsewhere the registry and the missing-package errors are checked.
+One process, one device: torch-xla 2.9.0's CPU client has no cross-process collectives (see the module docstring
+of ``lightning_accel.strategies.xla``), so several replicas are refused, not tested.
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ def test_missing_torch_xla_names_the_install(fabric: bool) -> None:
 
 
 @pytest.mark.skipif(HAS_XLA, reason="torch_xla is installed")
+def test_the_name_without_torch_xla_names_the_install() -> None:
+    with pytest.raises(ModuleNotFoundError, match=r"`pip install torch-xla`"):
+        L.Trainer(strategy="acc_xla", logger=False)
+    with pytest.raises(ModuleNotFoundError, match=r"`pip install torch-xla`"):
+        L.Fabric(strategy="acc_xla")
+
+
+@pytest.mark.skipif(HAS_XLA, reason="torch_xla is installed")
 def test_a_tpu_config_file_asks_for_torch_xla() -> None:
     with pytest.raises(ModuleNotFoundError, match=r"`pip install torch-xla`"):
         trainer_kwargs(config=FIXTURES / "tpu.yaml", environ={})
@@ -80,9 +88,11 @@ class Regressor(L.LightningModule):
         super().__init__()
         self.net = model()
         self.losses: list[float] = []
+        self.device_types: set[str] = set()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        self.device_types |= {x.device.type, self.net[0].weight.device.type}
         loss = nn.functional.mse_loss(self.net(x), y)
         self.losses.append(float(loss.detach().cpu()))
         return loss
@@ -100,11 +110,15 @@ def assert_same(losses: list[float], weights: dict[str, torch.Tensor]) -> None:
 
 
 @needs_xla
-def test_trainer_on_one_pjrt_cpu_device_trains_like_plain_pytorch() -> None:
+@pytest.mark.parametrize("by_name", [True, False], ids=["name", "object"])
+def test_trainer_on_one_pjrt_cpu_device_trains_like_plain_pytorch(by_name: bool) -> None:
+    from lightning_accel.strategies.xla import PJRTAccelerator
+
     assert os.environ.get("PJRT_DEVICE") == "CPU", "run with PJRT_DEVICE=CPU (tests/xla_stage.sh sets it)"
     module = Regressor()
     trainer = L.Trainer(
-        strategy=strategy_for("XLA"),  # the strategy brings its PJRT accelerator
+        # By name, Lightning picks CPUAccelerator first; the strategy keeps its PJRT accelerator.
+        strategy="acc_xla" if by_name else strategy_for("XLA"),
         devices=1,
         max_epochs=1,
         logger=False,
@@ -113,16 +127,30 @@ def test_trainer_on_one_pjrt_cpu_device_trains_like_plain_pytorch() -> None:
         enable_model_summary=False,
     )
     assert trainer.strategy.distributed_type == DistributedType.XLA
+    assert isinstance(trainer.accelerator, PJRTAccelerator)
     trainer.fit(module, DataLoader(data(), batch_size=BATCH))
     assert trainer.strategy.root_device.type == "xla"
+    assert module.device_types == {"xla"}  # batches and weights (Lightning moves the module back to CPU at the end)
     assert len(module.losses) == STEPS
     assert_same(module.losses, {k.removeprefix("net."): v.cpu() for k, v in module.state_dict().items()})
 
 
+def fabric_for(how: str) -> L.Fabric:
+    from lightning_accel.strategies.xla import FabricPJRTAccelerator
+
+    if how == "object":
+        return L.Fabric(strategy=strategy_for("XLA", fabric=True), devices=1)
+    return L.Fabric(strategy="acc_xla", accelerator=FabricPJRTAccelerator(), devices=1)
+
+
 @needs_xla
-def test_fabric_on_one_pjrt_cpu_device_trains_like_plain_pytorch() -> None:
-    fabric = L.Fabric(strategy=strategy_for("XLA", fabric=True), devices=1)
+@pytest.mark.parametrize("how", ["object", "name"])
+def test_fabric_on_one_pjrt_cpu_device_trains_like_plain_pytorch(how: str) -> None:
+    from lightning_accel.strategies.xla import FabricPJRTAccelerator
+
+    fabric = fabric_for(how)
     assert fabric.strategy.distributed_type == DistributedType.XLA
+    assert isinstance(fabric.accelerator, FabricPJRTAccelerator) and fabric.device.type == "xla"
     # Moving to an XLA device makes new parameters: the optimizer is built on the moved module, as Lightning asks.
     net = fabric.setup_module(model())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
@@ -136,3 +164,30 @@ def test_fabric_on_one_pjrt_cpu_device_trains_like_plain_pytorch() -> None:
         optimizer.step()
         losses.append(float(loss.detach().cpu()))
     assert_same(losses, {k: v.cpu() for k, v in net.state_dict().items()})
+
+
+@needs_xla
+def test_fabric_by_name_alone_names_the_accelerator_to_pass() -> None:
+    # Fabric keeps the CPUAccelerator its connector chose for a name, so the strategy cannot swap it: it refuses it.
+    with pytest.raises(ValueError, match=r"accelerator=FabricPJRTAccelerator\(\)"):
+        L.Fabric(strategy="acc_xla")
+
+
+@needs_xla
+@pytest.mark.parametrize("fabric", [False, True])
+def test_a_non_xla_accelerator_is_refused(fabric: bool) -> None:
+    from lightning.fabric.accelerators import CUDAAccelerator as FabricCUDA
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    accelerator = FabricCUDA() if fabric else CUDAAccelerator()
+    with pytest.raises(ValueError, match=r"CUDAAccelerator"):
+        strategy_for("XLA", fabric=fabric, accelerator=accelerator)
+
+
+@needs_xla
+@pytest.mark.parametrize("fabric", [False, True])
+def test_several_cpu_processes_are_refused(fabric: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's processes would each be a world of 1 on PJRT's CPU client and train apart.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2: torch-xla's CPU runtime has no cross-process collectives"):
+        strategy_for("XLA", fabric=fabric)

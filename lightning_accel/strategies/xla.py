@@ -5,9 +5,26 @@ loading, ``xm.optimizer_step`` through Lightning's ``XLAPrecision``), with Accel
 accelerator that counts the devices of whichever PJRT runtime ``PJRT_DEVICE`` names: Lightning's own
 ``XLAAccelerator`` counts TPU chips only, so with ``PJRT_DEVICE=CPU`` (``CPU_NUM_DEVICES`` devices, 1 by default)
 it would find none. ``torch_xla`` is imported only when a strategy is built; without it the error names
-``pip install torch-xla``. Several replicas (Lightning's ``XLAStrategy`` over ``xmp.spawn``, TPU pods) are not part
-of ``acc_xla`` yet: PJRT's CPU runtime runs one process, and its threaded multi-device mode hangs in torch-xla 2.9.0's
-first all-reduce, so there is nothing here to test them on.
+``pip install torch-xla``.
+
+By name: Lightning resolves a strategy name after choosing the accelerator, and ``"auto"`` picks ``CPUAccelerator``
+where there are no TPU chips. ``Trainer(strategy="acc_xla")`` with ``PJRT_DEVICE=CPU`` keeps the strategy's PJRT
+accelerator (the Trainer reads the strategy's); ``Fabric(strategy="acc_xla")`` raises with the fix
+(``accelerator=FabricPJRTAccelerator()``), since Fabric keeps the connector's accelerator for itself.
+
+One process only. Several replicas on CPU do not work in torch-xla 2.9.0, whose CPU client is built for one process
+(``xla::GetPjRtCpuClient(async, CPU_NUM_DEVICES)``: no distributed key-value store, no cross-process collectives):
+
+- ``xmp.spawn`` with ``CPU_NUM_DEVICES=2`` starts 2 processes that each hold a 2-device client and drive one of its
+  devices, so the first ``xm.all_reduce`` waits for a local participant that never comes: XLA's rendezvous prints
+  "Expected 2 threads to join the rendezvous, but not all of them arrived on time" and aborts after 10 seconds
+  ("Termination timeout for `all reduce RendezvousKey{... num_local_participants=2 ...}`").
+- ``torchrun`` with one device per process: ``xr.world_size()`` is 1 in each, ``init_process_group("xla",
+  init_method="xla://")`` makes each process rank 0 of 1, and with ``env://`` (ranks 0 and 1 of 2) an ``all_reduce``
+  of ``rank + 1`` returns 1 and 2 instead of 3: each process trains alone, silently. :func:`refuse_cpu_processes`
+  turns that into an error.
+
+Lightning's multi-device ``XLAStrategy`` (TPU hosts and pods) is therefore untested and not offered as ``acc_xla``.
 """
 
 from __future__ import annotations
@@ -17,8 +34,11 @@ import os
 from typing import Any
 
 import torch
+from lightning.fabric.accelerators import Accelerator as _FabricAccelerator
 from lightning.fabric.accelerators import XLAAccelerator as _FabricXLAAccelerator
 from lightning.fabric.strategies import SingleDeviceXLAStrategy as _FabricXLAStrategy
+from lightning.pytorch.accelerators import Accelerator as _TrainerAccelerator
+from lightning.pytorch.accelerators import CPUAccelerator as _TrainerCPUAccelerator
 from lightning.pytorch.accelerators import XLAAccelerator as _TrainerXLAAccelerator
 from lightning.pytorch.strategies import SingleDeviceXLAStrategy as _TrainerXLAStrategy
 from typing_extensions import override
@@ -31,6 +51,7 @@ __all__ = [
     "FabricAcceleratedXLAStrategy",
     "FabricPJRTAccelerator",
     "PJRTAccelerator",
+    "refuse_cpu_processes",
     "require_torch_xla",
 ]
 
@@ -49,6 +70,26 @@ def require_torch_xla() -> None:
     """
     if importlib.util.find_spec("torch_xla") is None:
         raise ModuleNotFoundError(_INSTALL)
+
+
+def refuse_cpu_processes() -> None:
+    """Refuse several processes on PJRT's CPU runtime, where they would train apart without a word.
+
+    torch-xla 2.9.0 builds its CPU client for one process (no distributed key-value store, no cross-process
+    collectives): under ``torchrun`` every process is rank 0 of a world of 1 (``xla://``), and an ``all_reduce`` on
+    an ``env://`` process group returns each process's own value.
+
+    Raises:
+        ValueError: If ``PJRT_DEVICE=CPU`` and ``WORLD_SIZE`` (set by ``torchrun``) is above 1.
+
+    """
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if os.environ.get("PJRT_DEVICE", "").upper() == "CPU" and world_size.isdigit() and int(world_size) > 1:
+        raise ValueError(
+            f"acc_xla on PJRT_DEVICE=CPU runs one process, but WORLD_SIZE={world_size}: torch-xla's CPU runtime has "
+            "no cross-process collectives, so each process would train alone. Launch one process, or use acc_multi_cpu "
+            "(gloo) for several CPU processes"
+        )
 
 
 def _pjrt_device_count(tpu_count: Any) -> int:
@@ -85,6 +126,50 @@ def _xla_devices(devices: int | list[int]) -> list[torch.device]:
     if isinstance(devices, int):
         return [torch.device("xla", index) for index in range(devices)]
     return [torch.device("xla", devices[0])]
+
+
+def _trainer_accelerator(accelerator: Any, own: Any) -> Any:
+    """The accelerator the Trainer strategy keeps when Lightning's connector assigns ``accelerator``.
+
+    A strategy *name* is resolved after the connector has chosen the accelerator, and ``"auto"`` picks Lightning's
+    ``CPUAccelerator`` where there are no TPU chips; it cannot place tensors on an XLA device. With
+    ``PJRT_DEVICE=CPU`` that choice (or ``accelerator="cpu"``) means PJRT's CPU runtime, so the strategy keeps its
+    own PJRT accelerator ``own`` (a new one when it has none). The Trainer reads the strategy's accelerator only.
+
+    Raises:
+        ValueError: If ``accelerator`` cannot drive an XLA device.
+
+    """
+    if accelerator is None or isinstance(accelerator, _TrainerXLAAccelerator):
+        return accelerator
+    if isinstance(accelerator, _TrainerCPUAccelerator) and os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
+        return own if isinstance(own, _TrainerXLAAccelerator) else PJRTAccelerator()
+    raise ValueError(
+        f"acc_xla runs on an XLA device, not on Lightning's {type(accelerator).__name__}: set PJRT_DEVICE=CPU to "
+        "run XLA on CPU (PJRT_DEVICE=TPU on a TPU VM) and leave `accelerator` unset, or pass "
+        "`Trainer(strategy='acc_xla', accelerator=PJRTAccelerator())` (from lightning_accel.strategies.xla)"
+    )
+
+
+def _fabric_accelerator(accelerator: Any) -> Any:
+    """The accelerator the Fabric strategy takes from Lightning's connector: an XLA one, or an error with the fix.
+
+    Fabric keeps the connector's accelerator for itself (``fabric.accelerator``, ``fabric.to_device``), so unlike the
+    Trainer's, the strategy cannot swap Lightning's ``CPUAccelerator`` (the ``"auto"`` choice for a strategy name
+    without TPU chips) for a PJRT one: it refuses it instead of running half on each.
+
+    Raises:
+        ValueError: If ``accelerator`` cannot drive an XLA device.
+
+    """
+    if accelerator is None or isinstance(accelerator, _FabricXLAAccelerator):
+        return accelerator
+    raise ValueError(
+        f"Fabric chose Lightning's {type(accelerator).__name__} for strategy='acc_xla', which cannot drive an XLA "
+        "device (a strategy name is resolved after the accelerator, and 'auto' finds no TPU chips): pass "
+        "`Fabric(strategy='acc_xla', accelerator=FabricPJRTAccelerator())` (from lightning_accel.strategies.xla) "
+        "or `Fabric(strategy=strategy_for('XLA', fabric=True))`, with PJRT_DEVICE=CPU to run XLA on CPU"
+    )
 
 
 class PJRTAccelerator(_TrainerXLAAccelerator):
@@ -157,9 +242,22 @@ class AcceleratedXLAStrategy(_TrainerXLAStrategy):
 
     def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
         require_torch_xla()
+        refuse_cpu_processes()
         kwargs.setdefault("accelerator", PJRTAccelerator())
         super().__init__(torch.device(device), **kwargs)
+        self.accelerator = self.accelerator  # the check the connector's assignment gets
         self.strategy_name = strategy_name
+
+    @property
+    @override
+    def accelerator(self) -> _TrainerAccelerator | None:
+        return _TrainerXLAStrategy.accelerator.fget(self)  # type: ignore[attr-defined]
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: _TrainerAccelerator | None) -> None:
+        own = self.accelerator
+        _TrainerXLAStrategy.accelerator.fset(self, _trainer_accelerator(accelerator, own))  # type: ignore[attr-defined]
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -182,9 +280,21 @@ class FabricAcceleratedXLAStrategy(_FabricXLAStrategy):
 
     def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
         require_torch_xla()
+        refuse_cpu_processes()
         kwargs.setdefault("accelerator", FabricPJRTAccelerator())
         super().__init__(torch.device(device), **kwargs)
+        self.accelerator = self.accelerator  # the check the connector's assignment gets
         self.strategy_name = strategy_name
+
+    @property
+    @override
+    def accelerator(self) -> _FabricAccelerator | None:
+        return _FabricXLAStrategy.accelerator.fget(self)  # type: ignore[attr-defined]
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: _FabricAccelerator | None) -> None:
+        _FabricXLAStrategy.accelerator.fset(self, _fabric_accelerator(accelerator))  # type: ignore[attr-defined]
 
     @property
     def distributed_type(self) -> DistributedType:
