@@ -71,6 +71,7 @@ from lightning_accel.tracking.registry import check_logging_dir
 from lightning_accel.utils import modeling, operations
 from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
 from lightning_accel.utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
+from lightning_accel.utils.lightning_internals import lightning_private
 from lightning_accel.utils.other import extract_model_from_parallel
 
 __all__ = ["Accelerator"]
@@ -436,13 +437,14 @@ class Accelerator(
 
     def _syncs_each_batch(self) -> bool:
         """``sync_each_batch`` on several processes, unless skipping the sync is also the engine's step signal."""
-        marks_boundary = getattr(self.fabric.strategy._backward_sync_control, "marks_step_boundary", False)
+        control = lightning_private(self.fabric.strategy, "_backward_sync_control")
+        marks_boundary = getattr(control, "marks_step_boundary", False)
         return self.use_distributed and self.gradient_state.sync_each_batch and not marks_boundary
 
     @contextmanager
     def no_sync(self, model: Module) -> Generator[None, None, None]:
         """Skip gradient synchronisation in the body (a no-op where the strategy has nothing to skip)."""
-        if self.fabric.strategy._backward_sync_control is None:
+        if lightning_private(self.fabric.strategy, "_backward_sync_control") is None:
             yield
             return
         if not isinstance(model, _FabricModule):

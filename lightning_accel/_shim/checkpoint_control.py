@@ -10,7 +10,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from lightning.fabric import Fabric
 from torch.nn import Module
@@ -25,8 +25,9 @@ from lightning_accel._shim.checkpoint_publish import (
     rotate,
 )
 from lightning_accel._shim.module import AcceleratedModule
-from lightning_accel.checkpointing import choose_target
+from lightning_accel.checkpointing import checkpoint_folders, choose_target, write_state
 from lightning_accel.config import ProjectConfiguration
+from lightning_accel.utils.lightning_internals import fabric_forward_module
 from lightning_accel.utils.modeling_offloaded import get_state_dict_offloaded_model, has_offloaded_params
 from lightning_accel.utils.other import extract_model_from_parallel, save
 from lightning_accel.utils.shared_errors import raise_on_every_process, run_where
@@ -141,7 +142,7 @@ class CheckpointControl:
 
         """
         if not unwrap:
-            return dict(self.fabric.strategy.get_module_state_dict(getattr(model, "_forward_module", model)))
+            return dict(self.fabric.strategy.get_module_state_dict(fabric_forward_module(model)))
         from lightning_accel._shim.sharded_checkpoint import engine_checkpoint
 
         engine = engine_checkpoint(self.fabric.strategy)
@@ -217,19 +218,9 @@ class CheckpointControl:
         raise_on_every_process(chosen[1], "save_state")  # the broadcast already reached every process
         target = SaveTarget(Path(chosen[0]))
         self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
-        automatic = config.automatic_checkpoint_naming
-        config.automatic_checkpoint_naming = False  # the files go to the temporary folder, named by us
-        try:
-            checkpointing.save_state(
-                cast("Accelerator", self),
-                target.temporary,
-                safe_serialization=safe_serialization,
-                **save_model_func_kwargs,
-            )
-        finally:
-            config.automatic_checkpoint_naming = automatic
+        write_state(cast("Accelerator", self), target.temporary, safe_serialization, **save_model_func_kwargs)
         self._on_disk_managers(lambda: publish(target), "save_state (publishing the checkpoint)")
-        if automatic:
+        if config.automatic_checkpoint_naming:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
         return str(target.final)
 
@@ -239,9 +230,42 @@ class CheckpointControl:
         )
         on_disk_managers(action, is_main=self.is_main_process, other_node_manager=other_node_manager, what=what)
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, **load_model_func_kwargs: Any) -> str:
+    @overload
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        *,
+        missing_ok: Literal[False] = False,
+        **load_model_func_kwargs: Any,
+    ) -> str: ...
+
+    @overload
+    def load_state(
+        self, input_dir: str | os.PathLike[str] | None = None, *, missing_ok: bool, **load_model_func_kwargs: Any
+    ) -> str | None: ...
+
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        *,
+        missing_ok: bool = False,
+        **load_model_func_kwargs: Any,
+    ) -> str | None:
         """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.
 
-        ``load_model_func_kwargs`` go to DeepSpeed's ``load_checkpoint``.
+        ``load_model_func_kwargs`` go to DeepSpeed's ``load_checkpoint``. With ``missing_ok=True`` (not in
+        Accelerate), nothing to load (no ``input_dir`` folder; with automatic naming, no ``checkpoint_<i>`` yet)
+        returns ``None`` instead of raising, so one ``accelerator.load_state(missing_ok=True)`` before the loop
+        starts a fresh run and resumes one that ``lightning-accel launch --max_restarts N`` restarted.
         """
+        if missing_ok and not self._has_checkpoint(input_dir):
+            return None
         return checkpointing.load_state(cast("Accelerator", self), input_dir, **load_model_func_kwargs)
+
+    def _has_checkpoint(self, input_dir: str | os.PathLike[str] | None) -> bool:
+        config = self.project_configuration
+        if input_dir is not None:
+            return Path(input_dir).is_dir()
+        if not config.automatic_checkpoint_naming or config.project_dir is None:
+            return True  # nothing to look for: load_state raises naming what is missing
+        return bool(checkpoint_folders(Path(config.project_dir) / "checkpoints"))

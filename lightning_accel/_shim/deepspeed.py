@@ -19,10 +19,12 @@ from lightning_accel._shim.deepspeed_prepare import PrepareFacts, check_dummies,
 from lightning_accel.strategies.deepspeed import FabricAcceleratedDeepSpeedStrategy
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
 from lightning_accel.utils.deepspeed import DummyOptim
+from lightning_accel.utils.lightning_internals import lightning_private_members
 
 __all__ = ["PreparedDeepSpeedStrategy"]
 
 
+@lightning_private_members("_initialize_engine")
 class PreparedDeepSpeedStrategy(FabricAcceleratedDeepSpeedStrategy):
     """:class:`FabricAcceleratedDeepSpeedStrategy` whose engine config follows ``Accelerator.prepare``'s call."""
 

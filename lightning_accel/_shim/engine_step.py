@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import DeepSpeedSchedulerWrapper
 from lightning_accel.utils.deepspeed import DummyScheduler, only_deepspeed_error
+from lightning_accel.utils.lightning_internals import lightning_private
 
 __all__ = [
     "SCHEDULERS",
@@ -43,6 +44,11 @@ def engine_steps_in_backward(strategy: Strategy) -> bool:
     return isinstance(strategy, DeepSpeedStrategy)
 
 
+def _engine(strategy: Strategy) -> Any:
+    """The engine of a DeepSpeed ``strategy`` (``None`` before its setup)."""
+    return lightning_private(strategy, "_deepspeed_engine")
+
+
 def step_after_backward(strategy: Strategy, optimizers: Sequence[AcceleratedOptimizer], sync_gradients: bool) -> None:
     """At a sync step, run the engine's ``step`` right after the backward pass (nothing on accumulating micro-steps).
 
@@ -51,7 +57,7 @@ def step_after_backward(strategy: Strategy, optimizers: Sequence[AcceleratedOpti
     """
     if not sync_gradients or not engine_steps_in_backward(strategy):
         return
-    engine: Any = getattr(strategy, "_deepspeed_engine", None)
+    engine = _engine(strategy)
     if engine is None or engine.optimizer is None:
         return  # a model set up without an optimizer (inference) has nothing to step
     engine.step()
@@ -69,7 +75,7 @@ def global_grad_norm(strategy: Strategy, max_norm: float) -> float | None:
         The norm as a Python float, or ``None`` before the engine's first step (or without an engine).
 
     """
-    engine: Any = getattr(strategy, "_deepspeed_engine", None)
+    engine = _engine(strategy)
     if engine is None:
         return None
     _warn_if_ignored(float(engine.gradient_clipping()), max_norm)
@@ -112,7 +118,7 @@ def engine_scheduler(
         return None
     if not engine_steps_in_backward(strategy):
         raise only_deepspeed_error(scheduler=True)
-    engine: Any = getattr(strategy, "_deepspeed_engine", None)
+    engine = _engine(strategy)
     if engine is None or engine.lr_scheduler is None:
         raise ValueError(
             "DummyScheduler was prepared, but no DeepSpeed engine built a scheduler for it. Prepare it in the same"

@@ -18,6 +18,7 @@ from lightning_accel.config import DataLoaderConfiguration
 from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
 from lightning_accel.state import PartialState
+from lightning_accel.utils.lightning_internals import fabric_forward_module
 
 __all__ = ["DataLoaderControl"]
 
@@ -159,7 +160,7 @@ class DataLoaderControl:
 
 
 def _joinable(obj: Any) -> Joinable:
-    inner = getattr(obj, "_forward_module", obj)
+    inner = fabric_forward_module(obj)
     if not isinstance(inner, Joinable):
         raise TypeError(
             f"join_uneven_inputs joins prepared DDP models (torch Joinable objects), got {type(obj).__name__}."

@@ -20,6 +20,11 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_accel.precision.base import AcceleratePrecision
+from lightning_accel.utils.lightning_internals import (
+    fabric_forward_module,
+    lightning_private,
+    lightning_private_members,
+)
 
 __all__ = [
     "AcceleratedModule",
@@ -32,7 +37,7 @@ __all__ = [
 
 def distributed_data_parallel(model: Module) -> DistributedDataParallel | None:
     """The ``DistributedDataParallel`` wrapper of a prepared ``model`` (or of a plain DDP module), if it has one."""
-    inner = model._forward_module if isinstance(model, _FabricModule) else model
+    inner = fabric_forward_module(model)
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 
@@ -62,6 +67,7 @@ def plain_optimizer_step(strategy: Strategy) -> bool:
     )
 
 
+@lightning_private_members("_register_backward_hook")
 class AcceleratedModule(_FabricModule):
     """A ``_FabricModule`` whose outputs refuse ``loss.backward()`` only where it would give wrong gradients."""
 
@@ -73,7 +79,7 @@ class AcceleratedModule(_FabricModule):
         # object.__setattr__: Fabric's __setattr__ would forward both names to the user's module as well.
         object.__setattr__(module, "__class__", cls)
         adopted: AcceleratedModule = module  # type: ignore[assignment]  # its class was just replaced
-        object.__setattr__(adopted, "_backward_guard", backward_guard(adopted._strategy))
+        object.__setattr__(adopted, "_backward_guard", backward_guard(lightning_private(adopted, "_strategy")))
         return adopted
 
     @override
@@ -85,7 +91,7 @@ class AcceleratedModule(_FabricModule):
     def _refuse_plain_backward(self, *_: Any) -> None:
         from lightning.fabric import wrappers
 
-        if not wrappers._in_fabric_backward:
+        if not lightning_private(wrappers, "_in_fabric_backward"):
             raise RuntimeError(
                 f"Call `accelerator.backward(loss)` instead of `loss.backward()`: {self._backward_guard}."
             )

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from lightning_accel.precision.fp8 import refresh_float8_scales
 from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, MODEL_NAME, OPTIMIZER_NAME
+from lightning_accel.utils.lightning_internals import fabric_forward_module, lightning_private
 
 __all__ = ["DeepSpeedCheckpoint", "EngineCheckpoint", "FSDPCheckpoint", "engine_checkpoint", "engine_module"]
 
@@ -49,10 +50,10 @@ def engine_module(model: Module, prepared: Sequence[Module] = ()) -> Module:
     ``model`` may also be the user's own module that was prepared (found among ``prepared``).
     """
     if isinstance(model, _FabricModule):
-        return model._forward_module
+        return fabric_forward_module(model)
     for candidate in prepared:
-        if isinstance(candidate, _FabricModule) and candidate._original_module is model:
-            return candidate._forward_module
+        if isinstance(candidate, _FabricModule) and lightning_private(candidate, "_original_module") is model:
+            return fabric_forward_module(candidate)
     return model
 
 

@@ -21,12 +21,13 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_accel.config import AutocastKwargs, GradScalerKwargs
+from lightning_accel.utils.lightning_internals import lightning_private, lightning_private_members
 
 Mode = Literal["mixed", "true"]
 
 
 def _in_trainer(module: Module | None) -> bool:
-    return isinstance(module, LightningModule) and module._trainer is not None
+    return isinstance(module, LightningModule) and lightning_private(module, "_trainer") is not None
 
 
 def default_device_type() -> str:
@@ -35,6 +36,7 @@ def default_device_type() -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
+@lightning_private_members("_after_closure")
 class AcceleratePrecision(Precision):
     """Autocast (optionally with a gradient scaler) or whole-model casting to ``compute_dtype``.
 

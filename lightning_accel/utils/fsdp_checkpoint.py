@@ -72,9 +72,9 @@ def _settings(fsdp_plugin: Any) -> _Settings:
 
 def _module(model: Any) -> torch.nn.Module:
     """The FSDP module of a prepared model (Fabric's wrapper peeled off), or ``model`` itself."""
-    from lightning.fabric.wrappers import _FabricModule
+    from lightning_accel.utils.lightning_internals import fabric_forward_module
 
-    return model._forward_module if isinstance(model, _FabricModule) else model
+    return fabric_forward_module(model)
 
 
 def _optimizer(optimizer: Any) -> torch.optim.Optimizer:
