@@ -46,6 +46,7 @@ class Regressor(L.LightningModule):
         self.seen: list[tuple[int, int, list[int], float]] = []
         self.steps: list[tuple[int, int, float]] = []
         self.micro_batch_grads: list[torch.Tensor | None] = []
+        self.record_grads = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, index = batch
@@ -54,9 +55,8 @@ class Regressor(L.LightningModule):
         return loss
 
     def on_after_backward(self) -> None:
-        # Sharded strategies may keep unsynchronised gradients in their own buffers (then `.grad` is None).
-        grad = self.net[0].weight.grad
-        self.micro_batch_grads.append(None if grad is None else full_tensor(grad))
+        if self.record_grads:
+            self.micro_batch_grads.append(micro_batch_grad(self.net[0].weight))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.steps.append((self.current_epoch, self.trainer.fit_loop.batch_idx, optimizer.param_groups[0]["lr"]))
@@ -71,6 +71,24 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """An unsharded copy (sharded strategies hold DTensors)."""
     full = value.full_tensor() if hasattr(value, "full_tensor") else value
     return full.detach().cpu().clone()
+
+
+def micro_batch_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The full gradient of ``param`` after a backward; ``None`` where the strategy keeps it out of reach.
+
+    FSDP may keep unsynchronised gradients in its own buffers (then ``.grad`` is None); DeepSpeed's ZeRO keeps them in
+    its optimizer, where ``deepspeed.utils.safe_get_full_grad`` reads them after a backward that reached the
+    accumulation boundary (and refuses to inside a window).
+    """
+    grad = param.grad
+    if grad is None and hasattr(param, "_hp_mapping"):
+        from deepspeed.utils import safe_get_full_grad
+
+        try:
+            grad = safe_get_full_grad(param)
+        except ValueError:  # "Gradients are only available immediately after backward and before engine step"
+            return None
+    return None if grad is None else full_tensor(grad)
 
 
 def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -119,25 +137,40 @@ def stop_and_resume(strategy: str, project: Path, sync_with_dataloader: bool = T
     return {**second, "first": first}
 
 
-def sync_each_batch(strategy: str, enabled: bool) -> dict[str, Any]:
-    """Whether the first micro-batch's gradients are already averaged across processes."""
+def sync_each_batch(strategy: str, enabled: bool | None) -> dict[str, Any]:
+    """One optimizer step over 2 micro-batches: the first micro-batch's gradient on every rank and the weights after.
+
+    ``enabled=None`` is the reference: Lightning's own ``ddp`` with ``accumulate_grad_batches=2`` (no callback), whose
+    first micro-batch keeps each rank's local gradient. Dropout is off, so the gradients depend on the data only.
+    """
     L.seed_everything(7)
     module = Regressor()
+    module.net[2].p = 0.0
+    module.record_grads = True
+    callbacks: list[L.Callback] = [SeedableSampler(DATA_SEED)]
+    if enabled is not None:
+        callbacks.append(GradientAccumulation(NUM_STEPS, sync_each_batch=enabled))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=strategy,
+        strategy="ddp" if enabled is None else strategy,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
         max_steps=1,
-        callbacks=[GradientAccumulation(NUM_STEPS, sync_each_batch=enabled), SeedableSampler(DATA_SEED)],
+        accumulate_grad_batches=NUM_STEPS if enabled is None else 1,
+        callbacks=callbacks,
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH_SIZE, shuffle=True))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, module.micro_batch_grads[0])
-    return {"first_micro_batch_grads": gathered}
+    return {
+        "first_micro_batch_grads": gathered,
+        "micro_batches": len(module.micro_batch_grads),
+        "global_step": trainer.global_step,
+        "weights": full_weights(module),
+    }
 
 
 def main() -> None:
@@ -156,6 +189,7 @@ def main() -> None:
         "carry_mid_epoch": lambda: stop_and_resume(
             strategy, out / "carry_mid_epoch", sync_with_dataloader=False, max_steps=3
         ),
+        "sync_reference": lambda: sync_each_batch(strategy, None),
         "sync_each_batch": lambda: sync_each_batch(strategy, True),
         "no_sync": lambda: sync_each_batch(strategy, False),
     }
