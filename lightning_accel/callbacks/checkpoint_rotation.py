@@ -20,7 +20,11 @@ from typing_extensions import override
 from lightning_accel.callbacks.rng import gather_rng_states, restore_rng_states, states_for_rank
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.config._validation import check_positive_int
-from lightning_accel.utils.lightning_internals import lightning_private
+from lightning_accel.utils.lightning_internals import (
+    lightning_private,
+    lightning_private_members,
+    set_lightning_private,
+)
 from lightning_accel.utils.shared_errors import run_where
 
 __all__ = ["CheckpointRotation", "complete_checkpoints", "latest_checkpoint"]
@@ -57,6 +61,7 @@ def latest_checkpoint(project_dir: str | os.PathLike[str]) -> str | None:
     return str(found[-1]) if found else None
 
 
+@lightning_private_members("_generate_state_key", "_find_last_checkpoints")
 class CheckpointRotation(ModelCheckpoint):
     """Save ``project_dir/checkpoints/checkpoint_{iteration}`` on a cadence and keep the newest ``total_limit``.
 
@@ -138,13 +143,13 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._fs = get_filesystem(self._directory)
+        set_lightning_private(self, "_fs", get_filesystem(self._directory))
         if stage == "fit":
             self._on_managers(trainer, self._remove_incomplete)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_global_step_saved = trainer.global_step
+        set_lightning_private(self, "_last_global_step_saved", trainer.global_step)
         if self._saved_rng_states is None:
             return
         states = states_for_rank(self._saved_rng_states, trainer.global_rank, trainer.world_size)
@@ -163,17 +168,18 @@ class CheckpointRotation(ModelCheckpoint):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if self._every_n_train_steps < 1 or self._skip(trainer) or step == self._last_global_step_saved:
+        step, every = trainer.global_step, lightning_private(self, "_every_n_train_steps")
+        if every < 1 or self._skip(trainer) or step == lightning_private(self, "_last_global_step_saved"):
             return
-        if step % self._every_n_train_steps == 0:
+        if step % every == 0:
             self.save(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._every_n_epochs < 1 or self._skip(trainer):
+        every = lightning_private(self, "_every_n_epochs")
+        if every < 1 or self._skip(trainer):
             return
-        if (trainer.current_epoch + 1) % self._every_n_epochs == 0:
+        if (trainer.current_epoch + 1) % every == 0:
             self.save(trainer)
 
     @override
@@ -259,8 +265,9 @@ class CheckpointRotation(ModelCheckpoint):
                     _remove(entry)
 
     def _record(self, trainer: pl.Trainer, path: str) -> None:
-        self._last_global_step_saved = trainer.global_step
-        self._last_checkpoint_saved = self.last_model_path = self.best_model_path = path
+        set_lightning_private(self, "_last_global_step_saved", trainer.global_step)
+        set_lightning_private(self, "_last_checkpoint_saved", path)
+        self.last_model_path = self.best_model_path = path
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))

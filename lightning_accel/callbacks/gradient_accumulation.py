@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_accel.callbacks._patching import InstancePatch
 from lightning_accel.config import GradientAccumulationPlugin
 from lightning_accel.config._validation import check_bool, check_positive_int
+from lightning_accel.utils.lightning_internals import lightning_private, lightning_private_members
 
 __all__ = ["GradientAccumulation", "MicroBatch", "plan_micro_batch"]
 
@@ -74,6 +75,7 @@ def plan_micro_batch(
     return MicroBatch(position == 0, position == size - 1 or is_last_batch, size)
 
 
+@lightning_private_members("_generate_state_key")
 class GradientAccumulation(Callback):
     """Accumulate gradients over ``num_steps`` batches with Accelerate's semantics, under any strategy.
 
@@ -234,7 +236,7 @@ class GradientAccumulation(Callback):
     def _install(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         optimization = epoch_loop.automatic_optimization
-        make_zero_grad_fn = optimization._make_zero_grad_fn
+        make_zero_grad_fn = lightning_private(optimization, "_make_zero_grad_fn")
 
         def should_accumulate() -> bool:
             if epoch_loop.batch_progress.current.ready == 0:
