@@ -159,6 +159,36 @@ def run_fabric(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
     return result
 
 
+def run_accelerator(plugin: MegatronLMPlugin) -> dict[str, Any]:
+    """The Accelerate-compatible shim: ``prepare(model, optimizer)``, ``backward``, ``step``.
+
+    The data loader is not prepared: the shim shards loaders over all processes, while tensor-parallel ranks must
+    read the same batch. It is built with the strategy's sampler arguments and the Trainer's shuffling instead.
+    """
+    from torch.utils.data import DistributedSampler
+
+    from lightning_accel import Accelerator
+
+    accelerator = Accelerator(cpu=True, megatron_lm_plugin=plugin)
+    strategy = accelerator.fabric.strategy  # the shim runs on a Fabric
+    model = build(plugin, cpu_attention=True)
+    prepared, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    sampler = DistributedSampler(dataset(), shuffle=True, seed=0, **strategy.distributed_sampler_kwargs)
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // sampler.num_replicas, sampler=sampler)
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == STEPS:
+            break
+        loss = loss_of(prepared, batch)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(global_loss(loss))
+    shim_loader = accelerator.prepare(DataLoader(torch.arange(8), batch_size=2))  # what the shim would feed
+    result = {"losses": losses, "weights": full_weights(model), **report(strategy, model)}
+    return {**result, "prepared_batches": [batch.tolist() for batch in shim_loader]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -175,6 +205,7 @@ def main() -> None:
             "tp2": lambda: run_trainer(tp2, 2),
             "fabric_tp2": lambda: run_fabric(tp2, 2),
             "dp2": lambda: run_trainer(MegatronLMPlugin(**COMMON, gradient_clipping=CLIP), 2),
+            "accelerator_tp2": lambda: run_accelerator(tp2),
         }
     for name, run in variants.items():
         torch.save(run(), args.out / f"{name}_rank{rank}.pt")
