@@ -135,6 +135,14 @@ def test_trainer_on_one_pjrt_cpu_device_trains_like_plain_pytorch(by_name: bool)
     assert_same(module.losses, {k.removeprefix("net."): v.cpu() for k, v in module.state_dict().items()})
 
 
+@needs_xla
+def test_a_trainer_asking_for_two_devices_is_refused() -> None:
+    # By name the connector counts CPU devices (devices=2 gives two); the strategy would use the first only.
+    trainer = L.Trainer(strategy="acc_xla", devices=2, max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"gave it 2: pass devices=1"):
+        trainer.fit(Regressor(), DataLoader(data(), batch_size=BATCH))
+
+
 def fabric_for(how: str) -> L.Fabric:
     from lightning_accel.strategies.xla import FabricPJRTAccelerator
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The XLA stage: a second virtual environment pinned to torch 2.9.0 + torch-xla 2.9.0 (PJRT's CPU runtime), then
 # tests/test_xla.py on one PJRT CPU device against plain PyTorch. Usage: bash tests/xla_stage.sh (from anywhere).
-# The first run downloads about 3 GB (PyPI's torch 2.9.0 wheel brings CUDA libraries) and takes ~10 minutes here;
-# later runs reuse .venv-xla and take about a minute.
+# .ci/run runs it after the main suite. The first run downloads about 3 GB (PyPI's torch 2.9.0 wheel brings the CUDA
+# libraries) and took 4 to 9 minutes on a 2-core machine (227 s idle, 550 s while other jobs loaded it); later runs
+# reuse .venv-xla and take about a minute.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${XLA_VENV:-.venv-xla}

@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.lightning_internals import lightning_private
 
 __all__ = [
     "AcceleratedXLAStrategy",
@@ -172,6 +173,14 @@ def _fabric_accelerator(accelerator: Any) -> Any:
     )
 
 
+def _check_one_device(count: int) -> None:
+    """``acc_xla`` drives one device: refuse a Trainer whose ``devices`` gave it more (it would use the first)."""
+    if count != 1:
+        raise ValueError(
+            f"acc_xla runs one XLA device per process, but the Trainer's devices gave it {count}: pass devices=1"
+        )
+
+
 class PJRTAccelerator(_TrainerXLAAccelerator):
     """Lightning's Trainer ``XLAAccelerator``, counting the devices of any PJRT runtime (TPU, or CPU)."""
 
@@ -258,6 +267,15 @@ class AcceleratedXLAStrategy(_TrainerXLAStrategy):
     def accelerator(self, accelerator: _TrainerAccelerator | None) -> None:
         own = self.accelerator
         _TrainerXLAStrategy.accelerator.fset(self, _trainer_accelerator(accelerator, own))  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        module = self.lightning_module
+        trainer = None if module is None else lightning_private(module, "_trainer")
+        if trainer is not None:  # the connector's devices; a single-device strategy reports one whatever was asked
+            connector = lightning_private(trainer, "_accelerator_connector")
+            _check_one_device(len(lightning_private(connector, "_parallel_devices")))
+        super().setup_environment()
 
     @property
     def distributed_type(self) -> DistributedType:
