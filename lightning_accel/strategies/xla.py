@@ -8,9 +8,10 @@ it would find none. ``torch_xla`` is imported only when a strategy is built; wit
 ``pip install torch-xla``.
 
 By name: Lightning resolves a strategy name after choosing the accelerator, and ``"auto"`` picks ``CPUAccelerator``
-where there are no TPU chips. ``Trainer(strategy="acc_xla")`` with ``PJRT_DEVICE=CPU`` keeps the strategy's PJRT
-accelerator (the Trainer reads the strategy's); ``Fabric(strategy="acc_xla")`` raises with the fix
-(``accelerator=FabricPJRTAccelerator()``), since Fabric keeps the connector's accelerator for itself.
+where there are no TPU chips. ``Trainer(strategy="acc_xla")`` on ``PJRT_DEVICE=CPU`` (torch_xla's own default, with a
+warning, where it finds no TPU) keeps the strategy's PJRT accelerator (the Trainer reads the strategy's);
+``Fabric(strategy="acc_xla")`` raises with the fix (``accelerator=FabricPJRTAccelerator()``), since Fabric keeps the
+connector's accelerator for itself. A Trainer whose ``devices`` give it more than one device raises at ``fit``.
 
 One process only. Several replicas on CPU do not work in torch-xla 2.9.0, whose CPU client is built for one process
 (``xla::GetPjRtCpuClient(async, CPU_NUM_DEVICES)``: no distributed key-value store, no cross-process collectives):
@@ -251,9 +252,9 @@ class AcceleratedXLAStrategy(_TrainerXLAStrategy):
 
     def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
         require_torch_xla()
-        refuse_cpu_processes()
         kwargs.setdefault("accelerator", PJRTAccelerator())
         super().__init__(torch.device(device), **kwargs)
+        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
         self.accelerator = self.accelerator  # the check the connector's assignment gets
         self.strategy_name = strategy_name
 
@@ -298,9 +299,9 @@ class FabricAcceleratedXLAStrategy(_FabricXLAStrategy):
 
     def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
         require_torch_xla()
-        refuse_cpu_processes()
         kwargs.setdefault("accelerator", FabricPJRTAccelerator())
         super().__init__(torch.device(device), **kwargs)
+        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
         self.accelerator = self.accelerator  # the check the connector's assignment gets
         self.strategy_name = strategy_name
 
