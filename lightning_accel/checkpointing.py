@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -155,7 +154,9 @@ def save_state(
     safe_serialization: bool = True,
     **engine_kwargs: Any,
 ) -> str:
-    """Write a checkpoint of everything ``accelerator`` prepared or registered; collective (every process calls it).
+    """Write a checkpoint of everything ``accelerator`` prepared or registered: ``accelerator.save_state(...)``.
+
+    Collective (every process calls it) and atomic: see :meth:`lightning_accel.Accelerator.save_state`.
 
     Args:
         accelerator: The accelerator whose state to save.
@@ -171,26 +172,25 @@ def save_state(
         ValueError: For a missing or conflicting destination, or ``engine_kwargs`` without DeepSpeed.
 
     """
+    return accelerator.save_state(output_dir, safe_serialization, **engine_kwargs)
+
+
+def write_state(accelerator: Accelerator, folder: Path, safe_serialization: bool, **engine_kwargs: Any) -> None:
+    """Write :func:`save_state`'s files into ``folder`` (chosen, then published, by the caller); collective."""
     engine = _engine(accelerator, engine_kwargs)
-    target = choose_target(accelerator.project_configuration, output_dir)
-    accelerator.wait_for_everyone()  # every process checked the target before any creates it
     if engine is not None:
-        target.mkdir(parents=True, exist_ok=True)
-        engine.save(accelerator._models, accelerator._optimizers, target, **engine_kwargs)
+        folder.mkdir(parents=True, exist_ok=True)
+        engine.save(accelerator._models, accelerator._optimizers, folder, **engine_kwargs)
         accelerator.wait_for_everyone()
     if _writes_shared_files(accelerator):
-        target.mkdir(parents=True, exist_ok=True)
-        _save_shared(accelerator, target, safe_serialization, engine is None)
+        folder.mkdir(parents=True, exist_ok=True)
+        _save_shared(accelerator, folder, safe_serialization, engine is None)
     accelerator.wait_for_everyone()
-    target.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     states = {**get_rng_states(accelerator.step), **loader_positions(accelerator._dataloaders)}
-    torch.save(states, target / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
-    accelerator.wait_for_everyone()
-    if accelerator.project_configuration.automatic_checkpoint_naming and accelerator.is_main_process:
-        _rotate(target.parent, accelerator.project_configuration.total_limit)
+    torch.save(states, folder / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
     accelerator.wait_for_everyone()
     accelerator.project_configuration.iteration += 1
-    return str(target)
 
 
 def _engine(accelerator: Accelerator, engine_kwargs: Mapping[str, Any]) -> EngineCheckpoint | None:
@@ -269,15 +269,6 @@ def _refuse_sharded(models: list[torch.nn.Module]) -> None:
             " accelerator.save_model(model, directory), which gathers them, or train with FSDP, whose checkpoints"
             " save_state writes."
         )
-
-
-def _rotate(root: Path, total_limit: int | None) -> None:
-    """Delete the oldest ``checkpoint_N`` folders so that ``total_limit`` remain (the newest was just written)."""
-    if total_limit is None:
-        return
-    folders = checkpoint_folders(root)
-    for _, folder in folders[: max(0, len(folders) - total_limit)]:
-        shutil.rmtree(folder)
 
 
 def _read(path: Path, reader: Callable[[Path], Any]) -> Any:

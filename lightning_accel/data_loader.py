@@ -488,5 +488,6 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         return _skip_plain_loader(dataloader, num_batches)
     skipping = copy.copy(dataloader)
     skipping.skip_batches = num_batches
-    dataloader.resume_position = 0  # the copy takes over a position restored by load_state
+    dataloader.resume_position = 0  # the copy takes over a position (and random states) restored by load_state
+    dataloader.resume_rng_states = None
     return skipping

@@ -1,7 +1,8 @@
 """Kill-and-restart runs under ``lightning-accel launch --max_restarts 1``, shared by the tests and the benchmark.
 
 One run is ``tests/scripts/faults_restart.py`` (a 2-process Trainer run with ``CheckpointRotation`` and
-``SeedableSampler``) started in one of three topologies:
+``SeedableSampler``) or ``faults_restart_accelerator.py`` (the same through the ``Accelerator``, resuming with
+``load_state(missing_ok=True)``), started in one of three topologies:
 
 - ``standalone``: one machine, no port given (torch's ``c10d`` rendezvous on a free port);
 - ``fixed_port``: one machine with ``--main_process_port`` (torch's ``static`` rendezvous);
@@ -24,13 +25,17 @@ import torch
 from tests.helpers import SCRIPTS, clean_env, free_port
 
 TOPOLOGIES = ("standalone", "fixed_port", "two_nodes")
+TRAINER_SCRIPT = "faults_restart.py"
+ACCELERATOR_SCRIPT = "faults_restart_accelerator.py"
 _CONFIG = Path(__file__).parent / "fixtures" / "accelerate_configs" / "multi_cpu.yaml"
 
 
-def _node_commands(topology: str, project: Path, out: Path, kill_at_step: int | None) -> list[list[str]]:
+def _node_commands(
+    topology: str, script_name: str, project: Path, out: Path, kill_at_step: int | None
+) -> list[list[str]]:
     launch = [sys.executable, "-m", "lightning_accel.cli", "launch", "--config_file", str(_CONFIG)]
     launch += ["--max_restarts=1", "--monitor_interval=1"]
-    script = [str(SCRIPTS / "faults_restart.py"), f"--project={project}", f"--out={out}"]
+    script = [str(SCRIPTS / script_name), f"--project={project}", f"--out={out}"]
     script += [f"--kill-at-step={kill_at_step}"] if kill_at_step is not None else []
     if topology == "standalone":
         return [[*launch, *script]]
@@ -43,8 +48,15 @@ def _node_commands(topology: str, project: Path, out: Path, kill_at_step: int | 
     raise ValueError(f"unknown topology {topology!r}; expected one of {TOPOLOGIES}")
 
 
-def run(topology: str, project: Path, out: Path, kill_at_step: int | None = None, timeout: float = 300) -> str:
-    """Run the script in ``topology``; return the launchers' output.
+def run(
+    topology: str,
+    project: Path,
+    out: Path,
+    kill_at_step: int | None = None,
+    timeout: float = 300,
+    script: str = TRAINER_SCRIPT,
+) -> str:
+    """Run ``script`` (a name in ``tests/scripts``) in ``topology``; return the launchers' output.
 
     Raises:
         AssertionError: If a launcher fails or the run outlasts ``timeout`` seconds (every process is then killed).
@@ -55,7 +67,7 @@ def run(topology: str, project: Path, out: Path, kill_at_step: int | None = None
         subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
-        for cmd in _node_commands(topology, project, out, kill_at_step)
+        for cmd in _node_commands(topology, script, project, out, kill_at_step)
     ]
     outputs: list[str] = []
     try:

@@ -28,7 +28,7 @@ from lightning_accel.utils.operations import (
     send_to_device,
     slice_tensors,
 )
-from lightning_accel.utils.random import synchronize_rng_states
+from lightning_accel.utils.random import set_rng_states, synchronize_rng_states
 from lightning_accel.utils.shared_errors import shareable
 
 __all__ = [
@@ -219,6 +219,8 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         self.remainder = -1
         self.position = 0
         self.resume_position = 0  # one-shot skip for the next iteration, set by load_state
+        # Random states load_state read, put back once the skipped batches are drawn (see _restore_resumed_rng).
+        self.resume_rng_states: dict[str, Any] | None = None
         self.gradient_state = GradientState()
 
     @property
@@ -268,6 +270,8 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         index = 0
         self.position = self._resumed_batches + skip
         while current is not _END:
+            if index == skip:
+                self._restore_resumed_rng()
             if self.device is not None:
                 current = send_to_device(current, self.device, non_blocking=self.non_blocking)
             self._snapshot()
@@ -280,6 +284,18 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
                 yield current
             index += 1
             current = upcoming
+
+    def _restore_resumed_rng(self) -> None:
+        """Set the random states of a checkpoint taken mid-epoch, at the batch the checkpoint's run was at.
+
+        ``load_state`` sets them at once, but resuming mid-epoch then starts a new iteration (torch's loader draws
+        its base seed from the global generator) and redraws the skipped batches, which the checkpointed run had
+        done before it saved: setting the states again here keeps dropout and the like on the uninterrupted run's
+        numbers.
+        """
+        if self.resume_rng_states is not None:
+            set_rng_states(self.resume_rng_states)
+            self.resume_rng_states = None
 
     @override
     def _initial_remainder(self) -> int:
@@ -462,6 +478,8 @@ class DataLoaderDispatcher(DataLoaderShard):
         index, stop = 0, False
         self.position = skip
         while not stop and upcoming[1][0] is not None:
+            if index == skip:
+                self._restore_resumed_rng()
             batch, (spec, _) = upcoming
             batch = batch if self.process_index == 0 else _empty(spec)
             if self.device is not None:

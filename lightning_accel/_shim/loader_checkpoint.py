@@ -73,6 +73,7 @@ def restore_loaders(
         elif epochs is not None and positions is not None:
             loader.iteration = epochs[index]
             loader.resume_position = positions[index]
+            loader.resume_rng_states = dict(rng_states) if rng_states and positions[index] else None
 
 
 def _recorded(states: Mapping[str, Any], count: int) -> tuple[list[int] | None, list[int] | None]:
