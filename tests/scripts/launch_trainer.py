@@ -2,9 +2,8 @@
 
 ``--trainer kwargs`` builds ``L.Trainer(**lightning_accel.trainer_kwargs())``; ``--trainer auto``
 builds ``L.Trainer(strategy="acc_auto", accelerator="cpu", devices=LOCAL_WORLD_SIZE, num_nodes=...)``. Each process
-writes ``rank<global rank>.json`` (world size, ranks, strategy, FSDP facts) into ``--out`` and, as
-``ProjectConfiguration(save_on_each_node=...)`` prescribes, a marker file per node into ``each_node/`` (written where
-``local_rank == 0``) and into ``main_only/`` (written where ``global_rank == 0``).
+writes ``rank<global rank>.json`` (world size, ranks, strategy, FSDP facts) into ``--out``. (Two loopback "nodes" and
+``save_on_each_node`` are tested with ``launch_save_on_each_node.py``.)
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_accel  # noqa: F401  (registers the acc_* names)
 from lightning_accel import trainer_kwargs
-from lightning_accel.config import ProjectConfiguration
 
 
 class Regressor(L.LightningModule):
@@ -64,17 +62,6 @@ def sharding_facts(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def write_markers(out: Path, trainer: L.Trainer) -> None:
-    """Write one file per node the way save_on_each_node decides who writes."""
-    for folder, save_on_each_node in (("each_node", True), ("main_only", False)):
-        project = ProjectConfiguration(project_dir=str(out / folder), save_on_each_node=save_on_each_node)
-        writes = trainer.local_rank == 0 if project.save_on_each_node else trainer.global_rank == 0
-        if writes:
-            target = Path(project.project_dir or out) / f"node{trainer.node_rank}_rank{trainer.global_rank}.txt"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(f"written by node {trainer.node_rank}\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -106,7 +93,6 @@ def main() -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(facts))
-    write_markers(out, trainer)
     print(f"RESULT {json.dumps(facts)}", flush=True)
 
 
