@@ -195,11 +195,16 @@ def test_cpu_core_attention_matches_torch_sdpa(masked: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Results:
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("megatron")
     torchrun("megatron_parity.py", "--out", str(out), nproc=1, timeout=300)
     torchrun("megatron_parity.py", "--out", str(out), nproc=2, timeout=420)
-    return load_rank_results(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(runs_dir: Path) -> Results:
+    return load_rank_results(runs_dir)
 
 
 def assert_matches(result: dict[str, Any], reference: dict[str, Any]) -> None:
@@ -215,6 +220,30 @@ def test_two_cpu_processes_match_one(runs: Results, variant: str) -> None:
     assert len(runs[variant]) == 2 and len(runs[variant][0]["losses"]) == 4
     for result in runs[variant]:
         assert_matches(result, runs["tp1"][0])
+
+
+@needs_megatron
+@pytest.mark.parametrize("variant", ["tp2_resumed", "dp2_from_tp2"])
+def test_a_tp2_checkpoint_resumes_at_tp2_and_at_tp1(runs: Results, variant: str) -> None:
+    # Both continue from tp2's checkpoint; the reference continues from tp1's, with the same Lightning resume.
+    assert len(runs[variant][0]["losses"]) == 4
+    for result in runs[variant]:
+        assert_matches(result, runs["tp1_resumed"][0])
+
+
+@needs_megatron
+def test_tp2_checkpoint_holds_whole_weights_and_optimizer_state(runs: Results, runs_dir: Path) -> None:
+    tp2, tp1 = (
+        torch.load(runs_dir / f"{name}_checkpoints" / "last.ckpt", weights_only=False) for name in ("tp2", "tp1")
+    )
+    assert tp2["state_dict"].keys() == tp1["state_dict"].keys()
+    for name, value in tp1["state_dict"].items():
+        if value is not None:  # megatron's _extra_state entries are None
+            torch.testing.assert_close(tp2["state_dict"][name], value, rtol=0, atol=ATOL, msg=name)
+    ours, reference = tp2["optimizer_states"][0]["state"], tp1["optimizer_states"][0]["state"]
+    assert ours.keys() == reference.keys() and len(reference) > 0
+    for index, state in reference.items():
+        torch.testing.assert_close(ours[index]["momentum_buffer"], state["momentum_buffer"], rtol=0, atol=ATOL)
 
 
 @needs_megatron

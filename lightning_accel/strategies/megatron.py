@@ -12,13 +12,14 @@ refused with the setting that asks for them (see :func:`~lightning_accel.strateg
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins import Precision
 from torch.nn import Module
@@ -30,6 +31,12 @@ from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGro
 from lightning_accel.config.megatron import MegatronLMPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
+from lightning_accel.strategies.megatron_checkpoint import (
+    gather_model_state,
+    gather_optimizer_state,
+    split_model_state,
+    split_optimizer_state,
+)
 from lightning_accel.strategies.megatron_core import MegatronFamily
 from lightning_accel.strategies.registry import StrategyEntry
 
@@ -142,6 +149,30 @@ class AcceleratedMegatronLMStrategy(AcceleratedDDPStrategy):
         return super().optimizer_step(optimizer, closure_then_clip, model, **kwargs)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write the checkpoint with whole tensor-parallel weights and optimizer state (every rank joins the gather)."""
+        assert self.lightning_module is not None
+        checkpoint = {**checkpoint, "state_dict": gather_model_state(checkpoint["state_dict"], self.lightning_module)}
+        if "optimizer_states" in checkpoint:
+            states = zip(checkpoint["optimizer_states"], self.optimizers, strict=True)
+            checkpoint["optimizer_states"] = [gather_optimizer_state(state, opt) for state, opt in states]
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        state = split_model_state(checkpoint["state_dict"], self.lightning_module)
+        super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = [
+            split_optimizer_state(s, opt)
+            for s, opt in zip(checkpoint["optimizer_states"], self.optimizers, strict=True)
+        ]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+
+    @override
     def teardown(self) -> None:
         super().teardown()
         self._megatron.teardown()
@@ -211,6 +242,25 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self._megatron.sampler_kwargs()
+
+    @override
+    def save_checkpoint(self, path: _PATH, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        self._refuse_sharded_checkpoint("save")
+        super().save_checkpoint(path, state, *args, **kwargs)
+
+    @override
+    def load_checkpoint(self, path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._refuse_sharded_checkpoint("load")
+        return super().load_checkpoint(path, *args, **kwargs)
+
+    def _refuse_sharded_checkpoint(self, action: str) -> None:
+        if self.megatron_lm_plugin.tp_degree > 1:
+            raise ValueError(
+                f"fabric.{action}() with acc_megatron_lm and tp_degree={self.megatron_lm_plugin.tp_degree} is not "
+                "implemented: Lightning's DDP checkpoint keeps rank 0's tensor-parallel shard only. Use the Trainer "
+                "(its checkpoints hold whole weights), or gather the shards with "
+                "lightning_accel.strategies.megatron_checkpoint.gather_model_state before saving"
+            )
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -1,8 +1,10 @@
 """``acc_megatron_lm`` on CPU processes (gloo): a small megatron-core GPT trained for a few steps.
 
-Run under ``torch.distributed.run``. With 1 process it trains the references (``tp1``: tp=1, gradient clipping on;
-``tp1_noclip``: clipping off); with 2 processes ``tp2`` (Trainer, tp=2), ``fabric_tp2`` (Fabric, tp=2) and ``dp2``
-(Trainer, tp=1 and data parallelism 2). Every run sees the same global batches and starts from the same weights.
+Run under ``torch.distributed.run``. With 1 process it trains the references (``tp1``: tp=1, gradient clipping on,
+checkpointed; ``tp1_noclip``: clipping off; ``tp1_resumed``: on from ``tp1``'s checkpoint); with 2 processes ``tp2``
+(Trainer, tp=2, checkpointed), ``fabric_tp2`` (Fabric), ``dp2`` (Trainer, tp=1 and data parallelism 2),
+``accelerator_tp2`` (the Accelerator shim), and from ``tp2``'s checkpoint ``tp2_resumed`` (tp=2) and ``dp2_from_tp2``
+(tp=1). Every run sees the same global batches and starts from the same weights.
 Each rank saves ``{variant}_rank{r}.pt`` with the global loss of every step, the full (tensor-parallel shards
 gathered) weights after training, and what the strategy reported.
 """
@@ -17,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -41,6 +44,10 @@ def build(plugin: MegatronLMPlugin, cpu_attention: bool | None = None) -> nn.Mod
     torch.manual_seed(1234)  # the same full weights on every rank and for every tp_degree
     sizes = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4}
     return gpt_model(plugin, vocab_size=VOCAB, max_sequence_length=SEQ, cpu_attention=cpu_attention, **sizes)
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)  # momentum: optimizer state the checkpoints must carry
 
 
 def loss_of(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
@@ -112,26 +119,36 @@ class GPTModule(L.LightningModule):
         self.result = {"weights": full_weights(self.gpt), **report(self.trainer.strategy, self.gpt)}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return optimizer(self.parameters())
 
 
 def run_trainer(
-    plugin: MegatronLMPlugin, world: int, accelerator: str = "cpu", cpu_attention: bool | None = None
+    plugin: MegatronLMPlugin,
+    world: int,
+    accelerator: str = "cpu",
+    cpu_attention: bool | None = None,
+    *,
+    steps: int = STEPS,
+    save_to: Path | None = None,
+    resume: Path | None = None,
 ) -> dict[str, Any]:
+    """Train ``steps`` steps (an epoch is ``STEPS``); ``save_to`` checkpoints each epoch, ``resume`` starts there."""
     strategy = AcceleratedMegatronLMStrategy(plugin)
     module = GPTModule(plugin, accelerator == "cpu" if cpu_attention is None else cpu_attention)
+    saving = [] if save_to is None else [ModelCheckpoint(dirpath=save_to, filename="last", save_top_k=1)]
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=world,
         strategy=strategy,
-        max_steps=STEPS,
+        max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=save_to is not None,
+        callbacks=saving,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     dp = world // plugin.tp_degree
-    trainer.fit(module, DataLoader(dataset(), batch_size=GLOBAL_BATCH // dp))
+    trainer.fit(module, DataLoader(dataset(), batch_size=GLOBAL_BATCH // dp), ckpt_path=resume)
     return {"losses": module.losses, **module.result}
 
 
@@ -140,8 +157,7 @@ def run_fabric(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     model = build(plugin, cpu_attention=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    wrapped, optimizer = fabric.setup(model, optimizer)
+    wrapped, opt = fabric.setup(model, optimizer(model.parameters()))
     dp = world // plugin.tp_degree
     # shuffle=True: Fabric's DistributedSampler then shuffles with seed 0, as the Trainer's always does for training
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=GLOBAL_BATCH // dp, shuffle=True))
@@ -151,8 +167,8 @@ def run_fabric(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
             break
         loss = loss_of(wrapped, batch)
         fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        opt.step()
+        opt.zero_grad()
         losses.append(global_loss(loss))
     result = {"losses": losses, "weights": full_weights(model), **report(strategy, model)}
     strategy.teardown()
@@ -172,7 +188,7 @@ def run_accelerator(plugin: MegatronLMPlugin) -> dict[str, Any]:
     accelerator = Accelerator(cpu=True, megatron_lm_plugin=plugin)
     strategy = accelerator.fabric.strategy  # the shim runs on a Fabric
     model = build(plugin, cpu_attention=True)
-    prepared, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    prepared, opt = accelerator.prepare(model, optimizer(model.parameters()))
     sampler = DistributedSampler(dataset(), shuffle=True, seed=0, **strategy.distributed_sampler_kwargs)
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // sampler.num_replicas, sampler=sampler)
     losses = []
@@ -181,12 +197,14 @@ def run_accelerator(plugin: MegatronLMPlugin) -> dict[str, Any]:
             break
         loss = loss_of(prepared, batch)
         accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        opt.step()
+        opt.zero_grad()
         losses.append(global_loss(loss))
     shim_loader = accelerator.prepare(DataLoader(torch.arange(8), batch_size=2))  # what the shim would feed
     result = {"losses": losses, "weights": full_weights(model), **report(strategy, model)}
-    return {**result, "prepared_batches": [batch.tolist() for batch in shim_loader]}
+    result["prepared_batches"] = [batch.tolist() for batch in shim_loader]
+    strategy.teardown()  # megatron's parallel state goes with it
+    return result
 
 
 def main() -> None:
@@ -194,18 +212,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    clipped = MegatronLMPlugin(**COMMON, gradient_clipping=CLIP)
     if world == 1:
+        checkpoints = args.out / "tp1_checkpoints"
         variants = {
-            "tp1": lambda: run_trainer(MegatronLMPlugin(**COMMON, gradient_clipping=CLIP), 1),
+            "tp1": lambda: run_trainer(clipped, 1, save_to=checkpoints),
             "tp1_noclip": lambda: run_trainer(MegatronLMPlugin(**COMMON, gradient_clipping=0), 1),
+            "tp1_resumed": lambda: run_trainer(clipped, 1, steps=2 * STEPS, resume=checkpoints / "last.ckpt"),
         }
     else:
         tp2 = MegatronLMPlugin(tp_degree=2, **COMMON, gradient_clipping=CLIP)
+        checkpoints = args.out / "tp2_checkpoints"
         variants = {
-            "tp2": lambda: run_trainer(tp2, 2),
+            "tp2": lambda: run_trainer(tp2, 2, save_to=checkpoints),
             "fabric_tp2": lambda: run_fabric(tp2, 2),
-            "dp2": lambda: run_trainer(MegatronLMPlugin(**COMMON, gradient_clipping=CLIP), 2),
+            "dp2": lambda: run_trainer(clipped, 2),
             "accelerator_tp2": lambda: run_accelerator(tp2),
+            # the second epoch from tp2's checkpoint: at tp_degree=2, and at tp_degree=1 (data parallelism 2)
+            "tp2_resumed": lambda: run_trainer(tp2, 2, steps=2 * STEPS, resume=checkpoints / "last.ckpt"),
+            "dp2_from_tp2": lambda: run_trainer(clipped, 2, steps=2 * STEPS, resume=checkpoints / "last.ckpt"),
         }
     for name, run in variants.items():
         torch.save(run(), args.out / f"{name}_rank{rank}.pt")
