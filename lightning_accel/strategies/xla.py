@@ -243,6 +243,8 @@ class AcceleratedXLAStrategy(_TrainerXLAStrategy):
 
     Raises:
         ModuleNotFoundError: If ``torch_xla`` is not installed (the message names ``pip install torch-xla``).
+        ValueError: For an accelerator that cannot drive an XLA device, several processes on PJRT's CPU runtime, or
+            (at ``fit``) a Trainer whose ``devices`` give it more than one device.
 
     Example:
         >>> import lightning as L
@@ -294,6 +296,8 @@ class FabricAcceleratedXLAStrategy(_FabricXLAStrategy):
 
     Raises:
         ModuleNotFoundError: If ``torch_xla`` is not installed (the message names ``pip install torch-xla``).
+        ValueError: For an accelerator that cannot drive an XLA device (Lightning's ``CPUAccelerator``, which
+            ``Fabric(strategy="acc_xla")`` picks without ``accelerator=``), or several processes on PJRT's CPU runtime.
 
     """
 
