@@ -42,7 +42,6 @@ ALLOWED = {
     ("checkpointing.py", "_optimizers"): "Accelerator._optimizers, the shim's own list",
     ("optimizer.py", "_optimizer"): "a probe of any wrapper; Lightning's answer by their public .optimizer first",
     # A file another session is changing: it still uses a Lightning member directly (to move to the check).
-    ("strategies/ddp_core.py", "_process_group_backend"): "DDPFamilyAdapter._init_process_group writes it",
 }
 
 

@@ -1,8 +1,9 @@
-"""A Trainer run (2 CPU processes on one or two "nodes", CheckpointRotation + SeedableSampler) that a restart must finish bit for bit.
+"""A Trainer run (2 CPU processes, CheckpointRotation + SeedableSampler) that a restart must finish bit for bit.
 
-Started by ``lightning-accel launch --max_restarts 1``. With ``--kill-at-step N``, rank 1 of the first attempt
-SIGKILLs itself once step ``N`` is checkpointed; the launcher restarts both workers, which resume from the newest
-complete checkpoint (``fit(ckpt_path="last")``). Rank 0 writes the final weights to ``--out``.
+The processes run under one launcher or under two (one "node" each), started with ``lightning-accel launch
+--max_restarts 1``. With ``--kill-at-step N``, rank 1 of the first attempt SIGKILLs itself once step ``N`` is
+checkpointed; the launcher restarts the workers, which resume from the newest complete checkpoint
+(``fit(ckpt_path="last")``). Rank 0 writes the final weights to ``--out``.
 """
 
 from __future__ import annotations
