@@ -144,6 +144,16 @@ def test_fp16_loss_scaling_with_clipping_is_refused() -> None:
 
 
 @needs_megatron
+def test_fabric_checkpoints_at_tp2_are_refused(tmp_path: Path) -> None:
+    strategy = FabricAcceleratedMegatronLMStrategy(plugin(tp_degree=2))
+    with pytest.raises(ValueError, match=r"fabric.save\(\) with acc_megatron_lm and tp_degree=2 is not implemented"):
+        strategy.save_checkpoint(tmp_path / "state.ckpt", {})
+    with pytest.raises(ValueError, match=r"fabric.load\(\) with acc_megatron_lm and tp_degree=2"):
+        strategy.load_checkpoint(tmp_path / "state.ckpt")
+    assert not (tmp_path / "state.ckpt").exists()
+
+
+@needs_megatron
 def test_rotary_embeddings_on_cpu_are_refused() -> None:
     from lightning_accel.strategies.megatron_gpt import gpt_model
 
