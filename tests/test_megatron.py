@@ -113,6 +113,35 @@ def test_strategy_for_builds_it_with_the_plugin() -> None:
         strategy_for("MEGATRON_LM", megatron_lm_plugin=plugin(pp_degree=2))
 
 
+_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MEGATRON_LM
+num_processes: 2
+use_cpu: true
+mixed_precision: 'no'
+megatron_lm_config:
+  megatron_lm_tp_degree: 2
+  megatron_lm_pp_degree: 1
+  megatron_lm_gradient_clipping: 0.5
+"""
+
+
+@needs_megatron
+def test_an_accelerate_config_file_builds_it(tmp_path: Path) -> None:
+    from lightning_accel.strategies.arguments import trainer_kwargs
+
+    path = tmp_path / "megatron.yaml"
+    path.write_text(_CONFIG + "  megatron_lm_context_parallel_size: 1\n")
+    kwargs = trainer_kwargs(config=path, environ={})
+    strategy = kwargs["strategy"]
+    assert isinstance(strategy, AcceleratedMegatronLMStrategy)
+    assert strategy.megatron_lm_plugin.tp_degree == 2 and strategy.megatron_lm_plugin.gradient_clipping == 0.5
+    assert kwargs["devices"] == 2 and kwargs["accelerator"] == "cpu"
+    path.write_text(_CONFIG)  # Accelerate's context_parallel_size default, 2, is refused with the key to set
+    with pytest.raises(ValueError, match=r"context_parallel_size=2.*`megatron_lm_context_parallel_size: 1`"):
+        trainer_kwargs(config=path, environ={})
+
+
 @needs_megatron
 def test_trainer_and_fabric_take_the_name() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="acc_megatron_lm", logger=False)

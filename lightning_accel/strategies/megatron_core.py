@@ -28,7 +28,7 @@ _INSTALL = (
     "0.16.1 is the newest release for Python 3.10/3.11)"
 )
 
-# (field, value the strategy runs, why another value is refused, what to do instead)
+# (field, the value the strategy runs, why another value is refused and what to pass instead)
 _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("pp_degree", 1, "pipeline parallelism (megatron's pipeline schedules) is not implemented; use pp_degree=1"),
     (
@@ -40,7 +40,8 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     (
         "context_parallel_size",
         1,
-        "context parallelism is not implemented (Accelerate's default is 2); pass context_parallel_size=1",
+        "context parallelism is not implemented (Accelerate's default is 2); pass context_parallel_size=1 "
+        "(`megatron_lm_context_parallel_size: 1` in an Accelerate config file)",
     ),
     ("expert_model_parallel_size", 1, "expert parallelism (MoE) is not implemented; use 1"),
     ("expert_tensor_parallel_size", 1, "expert tensor parallelism (MoE) is not implemented; use 1"),
