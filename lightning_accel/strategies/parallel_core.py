@@ -119,9 +119,12 @@ class ParallelFamily:
         return self.mesh
 
     def distributed_type(self, device_type: str | None) -> DistributedType | None:
-        """``FSDP`` when anything is sharded or split, else the multi-device type of ``device_type`` (DDP)."""
+        """``FSDP`` when parameters are sharded (``dp_shard`` or ``cp``), else the multi-device type of ``device_type``.
+
+        As in Accelerate, tensor parallelism alone (no FSDP plugin) keeps the multi-device type (``MULTI_GPU``).
+        """
         config = self.config
-        if config.dp_shard_enabled or config.tp_enabled or config.cp_enabled:
+        if config.dp_shard_enabled or config.cp_enabled:
             return DistributedType.FSDP
         if device_type is None:
             return None
