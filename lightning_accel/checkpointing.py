@@ -299,7 +299,12 @@ def _source_dir(accelerator: Accelerator, input_dir: str | os.PathLike[str] | No
     return folders[-1][1]
 
 
-def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None = None, **engine_kwargs: Any) -> str:
+def load_state(
+    accelerator: Accelerator,
+    input_dir: str | os.PathLike[str] | None = None,
+    load_kwargs: Mapping[str, Any] | None = None,
+    **engine_kwargs: Any,
+) -> str:
     """Restore what :func:`save_state` (or HF accelerate's) wrote; every process calls it.
 
     Without ``input_dir`` and with automatic naming, the newest ``checkpoint_N`` is loaded. The save counter is set
@@ -308,6 +313,7 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
     Args:
         accelerator: The accelerator whose prepared and registered objects to restore.
         input_dir: The checkpoint folder; ``None`` with automatic naming.
+        load_kwargs: Keyword arguments for the ``torch.load`` of the optimizer, scheduler and loader files.
         **engine_kwargs: Passed to DeepSpeed's ``load_checkpoint`` (e.g. ``load_optimizer_states=False``).
 
     Returns:
@@ -333,10 +339,11 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str] | Non
         engine.load(accelerator._models, accelerator._optimizers, source, **engine_kwargs)
     for i, model in enumerate(models):
         _load_model(model, source, i)
-    _load_state_dicts(accelerator._optimizers if engine is None else [], source, OPTIMIZER_NAME)
-    _load_state_dicts(accelerator._schedulers, source, SCHEDULER_NAME)
+    extra = dict(load_kwargs or {})
+    _load_state_dicts(accelerator._optimizers if engine is None else [], source, OPTIMIZER_NAME, **extra)
+    _load_state_dicts(accelerator._schedulers, source, SCHEDULER_NAME, **extra)
     _load_custom_objects(accelerator._custom_objects, source)
-    _load_rng_and_loaders(accelerator, source)
+    _load_rng_and_loaders(accelerator, source, extra)
     _restore_save_counter(accelerator, source)
     return str(source)
 
@@ -394,10 +401,12 @@ def _load_custom_objects(objects: list[Any], source: Path) -> None:
         load_custom_state(obj, source, index)
 
 
-def _load_rng_and_loaders(accelerator: Accelerator, source: Path) -> None:
+def _load_rng_and_loaders(accelerator: Accelerator, source: Path, load_kwargs: Mapping[str, Any]) -> None:
     path = source / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl"
     states = _read(path, _torch_load) if path.is_file() else None
-    restore_loaders(accelerator._dataloaders, source, states, lambda p: _read(p, _torch_load))
+    restore_loaders(
+        accelerator._dataloaders, source, states, lambda p: _read(p, lambda q: _torch_load(q, **load_kwargs))
+    )
     if states is None:
         warnings.warn(
             f"{path} is missing: random states not restored (was the run saved by fewer processes?).", stacklevel=3

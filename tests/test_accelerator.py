@@ -231,6 +231,37 @@ def test_truncated_file_is_named(tmp_path: Path) -> None:
         accelerator.load_state(tmp_path / "ckpt")
 
 
+class _FractionScheduler(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler whose state holds a ``Fraction``, which ``torch.load(weights_only=True)`` refuses."""
+
+    def state_dict(self) -> dict[str, Any]:
+        from fractions import Fraction
+
+        return {**super().state_dict(), "ratio": Fraction(1, 3)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.ratio = state_dict.pop("ratio")
+        super().load_state_dict(state_dict)
+
+
+def test_load_state_passes_load_kwargs_to_torch_load_and_missing_ok_returns_none(tmp_path: Path) -> None:
+    from fractions import Fraction
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator, _, optimizer, _ = setup(project_config=config)
+    scheduler = accelerator.prepare(_FractionScheduler(optimizer.optimizer, lambda epoch: 1.0))
+    assert accelerator.load_state(missing_ok=True) is None  # no checkpoint yet: a fresh start
+    assert accelerator.load_state(tmp_path / "nowhere", missing_ok=True) is None
+    with pytest.raises(ValueError, match="No checkpoint_<i> folder"):
+        accelerator.load_state()
+    accelerator.save_state()
+    with pytest.raises(ValueError, match=r"scheduler\.bin"):  # Accelerate's default: weights_only
+        accelerator.load_state()
+    loaded = accelerator.load_state(None, {"weights_only": False}, missing_ok=True)
+    assert loaded is not None and Path(loaded).name == "checkpoint_0"
+    assert scheduler.scheduler.ratio == Fraction(1, 3)
+
+
 def test_custom_object_count_must_match(tmp_path: Path) -> None:
     accelerator, *_ = setup()
     accelerator.save_state(tmp_path / "ckpt")

@@ -29,6 +29,7 @@ from lightning_accel.checkpointing import checkpoint_folders, choose_target, wri
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.utils.lightning_internals import fabric_forward_module
 from lightning_accel.utils.modeling_offloaded import get_state_dict_offloaded_model, has_offloaded_params
+from lightning_accel.utils.node_copies import complete_on_each_node
 from lightning_accel.utils.other import extract_model_from_parallel, save
 from lightning_accel.utils.shared_errors import raise_on_every_process, run_where
 
@@ -205,7 +206,9 @@ class CheckpointControl:
         Unlike Accelerate's, the save is atomic: the main process chooses the folder and tells the others, everyone
         writes into ``.<name>.incomplete`` beside it, and the folder gets its name once every process is done (on
         each node's disk with ``save_on_each_node``); old folders are rotated out only then. See
-        :mod:`lightning_accel._shim.checkpoint_publish`.
+        :mod:`lightning_accel._shim.checkpoint_publish`. With ``save_on_each_node`` on node-local disks, each node
+        is first sent the files it lacks (other nodes' shards, the metadata written on the main process only), so
+        every node's folder is a whole checkpoint; see :mod:`lightning_accel.utils.node_copies`.
         """
         config = self.project_configuration
         chosen: list[Any] = [None, None]
@@ -219,6 +222,8 @@ class CheckpointControl:
         target = SaveTarget(Path(chosen[0]))
         self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
         write_state(cast("Accelerator", self), target.temporary, safe_serialization, **save_model_func_kwargs)
+        if config.save_on_each_node:  # node-local disks: each node gets the files (shards, metadata) it lacks
+            complete_on_each_node(target.temporary, node_manager=self.is_local_main_process, what="save_state")
         self._on_disk_managers(lambda: publish(target), "save_state (publishing the checkpoint)")
         if config.automatic_checkpoint_naming:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
@@ -234,6 +239,7 @@ class CheckpointControl:
     def load_state(
         self,
         input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
         *,
         missing_ok: Literal[False] = False,
         **load_model_func_kwargs: Any,
@@ -241,26 +247,34 @@ class CheckpointControl:
 
     @overload
     def load_state(
-        self, input_dir: str | os.PathLike[str] | None = None, *, missing_ok: bool, **load_model_func_kwargs: Any
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        *,
+        missing_ok: bool,
+        **load_model_func_kwargs: Any,
     ) -> str | None: ...
 
     def load_state(
         self,
         input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
         *,
         missing_ok: bool = False,
         **load_model_func_kwargs: Any,
     ) -> str | None:
         """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.
 
-        ``load_model_func_kwargs`` go to DeepSpeed's ``load_checkpoint``. With ``missing_ok=True`` (not in
-        Accelerate), nothing to load (no ``input_dir`` folder; with automatic naming, no ``checkpoint_<i>`` yet)
-        returns ``None`` instead of raising, so one ``accelerator.load_state(missing_ok=True)`` before the loop
-        starts a fresh run and resumes one that ``lightning-accel launch --max_restarts N`` restarted.
+        ``load_kwargs`` go to the ``torch.load`` of the optimizer, scheduler and loader files, and
+        ``load_model_func_kwargs`` to DeepSpeed's ``load_checkpoint``. With ``missing_ok=True`` (not in Accelerate),
+        nothing to load (no ``input_dir`` folder; with automatic naming, no ``checkpoint_<i>`` yet) returns ``None``
+        instead of raising, so one ``accelerator.load_state(missing_ok=True)`` before the loop starts a fresh run
+        and resumes one that ``lightning-accel launch --max_restarts N`` restarted.
         """
         if missing_ok and not self._has_checkpoint(input_dir):
             return None
-        return checkpointing.load_state(cast("Accelerator", self), input_dir, **load_model_func_kwargs)
+        accelerator = cast("Accelerator", self)
+        return checkpointing.load_state(accelerator, input_dir, load_kwargs, **load_model_func_kwargs)
 
     def _has_checkpoint(self, input_dir: str | os.PathLike[str] | None) -> bool:
         config = self.project_configuration
