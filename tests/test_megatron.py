@@ -183,6 +183,14 @@ def test_fabric_checkpoints_at_tp2_are_refused(tmp_path: Path) -> None:
 
 
 @needs_megatron
+def test_trainer_norm_clipping_at_tp2_is_refused() -> None:
+    strategy = AcceleratedMegatronLMStrategy(plugin(tp_degree=2))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, gradient_clip_val=1.0, logger=False)
+    with pytest.raises(ValueError, match=r"gradient_clip_val=1.0\) clips by the norm of this rank's"):
+        strategy.setup(trainer)
+
+
+@needs_megatron
 def test_rotary_embeddings_on_cpu_are_refused() -> None:
     from lightning_accel.strategies.megatron_gpt import gpt_model
 
@@ -254,7 +262,7 @@ def assert_matches(result: dict[str, Any], reference: dict[str, Any]) -> None:
 
 
 @needs_megatron
-@pytest.mark.parametrize("variant", ["tp2", "fabric_tp2", "dp2", "accelerator_tp2"])
+@pytest.mark.parametrize("variant", ["tp2", "fabric_tp2", "fabric_tp2_clip_gradients", "dp2", "accelerator_tp2"])
 def test_two_cpu_processes_match_one(runs: Results, variant: str) -> None:
     assert len(runs[variant]) == 2 and len(runs[variant][0]["losses"]) == 4
     for result in runs[variant]:

@@ -37,7 +37,7 @@ from lightning_accel.strategies.megatron_checkpoint import (
     split_model_state,
     split_optimizer_state,
 )
-from lightning_accel.strategies.megatron_core import MegatronFamily
+from lightning_accel.strategies.megatron_core import MegatronFamily, clip_grad_norm_across_tensor_parallel
 from lightning_accel.strategies.registry import StrategyEntry
 
 __all__ = ["AcceleratedMegatronLMStrategy", "FabricAcceleratedMegatronLMStrategy"]
@@ -134,6 +134,17 @@ class AcceleratedMegatronLMStrategy(AcceleratedDDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self._megatron.sampler_kwargs()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        tp = self._megatron.plugin.tp_degree
+        if tp > 1 and trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+            raise ValueError(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips by the norm of this rank's "
+                f"tensor-parallel shard only (tp_degree={tp}); use MegatronLMPlugin(gradient_clipping=...), which "
+                "clips by the norm of the whole gradient, or gradient_clip_algorithm='value'"
+            )
+        super().setup(trainer)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -242,6 +253,28 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self._megatron.sampler_kwargs()
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """``fabric.clip_gradients(max_norm=...)`` by the norm of the whole gradient, across tensor-parallel shards.
+
+        Raises:
+            ValueError: For a norm other than L2.
+            RuntimeError: If ``error_if_nonfinite`` and the norm is not finite.
+
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"acc_megatron_lm clips by the L2 norm only, got norm_type={norm_type}; pass 2")
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return clip_grad_norm_across_tensor_parallel(params, float(max_norm), check_finite=error_if_nonfinite)
 
     @override
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:

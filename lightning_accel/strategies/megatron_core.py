@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_accel.config import DistributedDataParallelKwargs
 from lightning_accel.config.megatron import MegatronLMPlugin
 
-__all__ = ["MegatronFamily", "check_plugin", "require_megatron"]
+__all__ = ["MegatronFamily", "check_plugin", "clip_grad_norm_across_tensor_parallel", "require_megatron"]
 
 _INSTALL = (
     "acc_megatron_lm needs megatron-core: `pip install lightning-accel[megatron]` (or `pip install megatron-core`; "
@@ -206,15 +206,25 @@ class MegatronFamily:
         return clip_grad_norm_across_tensor_parallel(module.parameters(), self.plugin.gradient_clipping)
 
 
-def clip_grad_norm_across_tensor_parallel(parameters: Iterable[Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_across_tensor_parallel(
+    parameters: Iterable[Parameter], max_norm: float, *, check_finite: bool = False
+) -> torch.Tensor:
     """Scale gradients so that the L2 norm of the full model's gradient is at most ``max_norm``.
 
     Each tensor-parallel shard counts once and each parameter copied on every tensor-parallel rank (layer norms,
     biases of row-parallel layers) counts once, so the norm equals the one a ``tp_degree=1`` run computes.
     megatron-core's own ``get_grad_norm_fp32`` allocates on CUDA, hence this version.
 
+    Args:
+        parameters: The parameters whose gradients are clipped (of this rank's shard).
+        max_norm: The largest norm allowed.
+        check_finite: Raise when the norm is NaN or infinite (the gradients are then left unchanged).
+
     Returns:
         The total norm before clipping.
+
+    Raises:
+        RuntimeError: If ``check_finite`` and the norm is not finite.
 
     """
     from megatron.core import parallel_state
@@ -229,6 +239,8 @@ def clip_grad_norm_across_tensor_parallel(parameters: Iterable[Parameter], max_n
         squares += grad.detach().float().pow(2).sum()
     dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
     total = squares.sqrt()
+    if check_finite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of the gradients is {float(total)}; they were not clipped")
     coefficient = max_norm / (float(total) + 1e-6)
     if coefficient < 1.0:
         for p in with_grad:

@@ -2,11 +2,12 @@
 
 Run under ``torch.distributed.run``. With 1 process it trains the references (``tp1``: tp=1, gradient clipping on,
 checkpointed; ``tp1_noclip``: clipping off; ``tp1_resumed``: on from ``tp1``'s checkpoint); with 2 processes ``tp2``
-(Trainer, tp=2, checkpointed), ``fabric_tp2`` (Fabric), ``dp2`` (Trainer, tp=1 and data parallelism 2),
-``accelerator_tp2`` (the Accelerator shim), and from ``tp2``'s checkpoint ``tp2_resumed`` (tp=2) and ``dp2_from_tp2``
-(tp=1). Every run sees the same global batches and starts from the same weights.
-Each rank saves ``{variant}_rank{r}.pt`` with the global loss of every step, the full (tensor-parallel shards
-gathered) weights after training, and what the strategy reported.
+(Trainer, tp=2, checkpointed), ``fabric_tp2`` (Fabric), ``fabric_tp2_clip_gradients`` (Fabric, clipped by
+``fabric.clip_gradients`` instead of the plugin), ``dp2`` (Trainer, tp=1 and data parallelism 2), ``accelerator_tp2``
+(the Accelerator shim), and from ``tp2``'s checkpoint ``tp2_resumed`` (tp=2) and ``dp2_from_tp2`` (tp=1). Every run
+sees the same global batches and starts from the same weights. Each rank saves ``{variant}_rank{r}.pt`` with the
+global loss of every step, the full (tensor-parallel shards gathered) weights after training, and what the strategy
+reported.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def run_trainer(
     return {"losses": module.losses, **module.result}
 
 
-def run_fabric(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
+def run_fabric(plugin: MegatronLMPlugin, world: int, clip_by_call: float = 0.0) -> dict[str, Any]:
+    """Fabric's loop; ``clip_by_call`` > 0 clips with ``fabric.clip_gradients`` instead of the plugin."""
     strategy = FabricAcceleratedMegatronLMStrategy(plugin)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
@@ -167,6 +169,8 @@ def run_fabric(plugin: MegatronLMPlugin, world: int) -> dict[str, Any]:
             break
         loss = loss_of(wrapped, batch)
         fabric.backward(loss)
+        if clip_by_call:
+            fabric.clip_gradients(wrapped, opt, max_norm=clip_by_call)
         opt.step()
         opt.zero_grad()
         losses.append(global_loss(loss))
@@ -226,6 +230,9 @@ def main() -> None:
         variants = {
             "tp2": lambda: run_trainer(tp2, 2, save_to=checkpoints),
             "fabric_tp2": lambda: run_fabric(tp2, 2),
+            "fabric_tp2_clip_gradients": lambda: run_fabric(
+                MegatronLMPlugin(tp_degree=2, **COMMON, gradient_clipping=0), 2, clip_by_call=CLIP
+            ),
             "dp2": lambda: run_trainer(clipped, 2),
             "accelerator_tp2": lambda: run_accelerator(tp2),
             # the second epoch from tp2's checkpoint: at tp_degree=2, and at tp_degree=1 (data parallelism 2)
