@@ -87,9 +87,9 @@ class GradientAccumulation(Callback):
       ``num_steps=2`` end with a window of 1) is not scaled down by ``num_steps``. Accelerate 1.15 divides by
       ``num_steps`` there, like Lightning; both are off by ``window/num_steps`` for that step, which this fixes;
     * ``sync_each_batch=True`` synchronises gradients on every micro-batch (less memory, more communication) by
-      replacing the strategy's ``block_backward_sync`` with a no-op for the fit (DDP, FSDP1, FSDP2; under
-      ``acc_deepspeed``, whose ``block_backward_sync`` also marks DeepSpeed's accumulation boundary, every
-      micro-batch then reaches that boundary);
+      replacing the strategy's ``block_backward_sync`` with a no-op for the fit (DDP, FSDP1, FSDP2). Under
+      ``acc_deepspeed`` that context is DeepSpeed's accumulation boundary (the engine's step signal), so it stays, as
+      in Accelerate: ZeRO 2/3 reduce every micro-batch into their partitions anyway, ZeRO 0/1 at the step;
     * under a strategy that accumulates itself (``strategy.handles_gradient_accumulation``, e.g. DeepSpeed),
       ``num_steps`` is handed to it through ``trainer.accumulate_grad_batches`` in :meth:`setup`, before the
       strategy builds its engine, instead of being refused as Lightning's ``GradientAccumulationScheduler`` does.
@@ -252,7 +252,7 @@ class GradientAccumulation(Callback):
 
         self._patches.append(InstancePatch(epoch_loop, "_should_accumulate", should_accumulate))
         self._patches.append(InstancePatch(optimization, "_make_zero_grad_fn", zero_grad_fn_at_window_start))
-        if self.sync_each_batch:
+        if self.sync_each_batch and not _blocking_marks_step_boundary(trainer.strategy):
             self._patches.append(InstancePatch(trainer.strategy, "block_backward_sync", contextlib.nullcontext))
 
     def _hand_over_to_engine(self, trainer: pl.Trainer) -> None:
@@ -299,6 +299,15 @@ def _check_compatible(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Non
             f" {type(pl_module).__name__}.automatic_optimization is False; accumulate in training_step yourself"
             " (e.g. with `self.trainer.strategy.block_backward_sync()`) or remove the callback."
         )
+
+
+def _blocking_marks_step_boundary(strategy: pl.strategies.Strategy) -> bool:
+    """Whether ``strategy.block_backward_sync`` also tells its engine that the optimizer does not step yet.
+
+    A DeepSpeed backward outside that context closes the accumulation window (ZeRO replaces the gradients it reduced
+    since the last boundary), so ``sync_each_batch`` must not skip it there; elsewhere it only saves the all-reduce.
+    """
+    return bool(getattr(strategy, "block_backward_sync_marks_step_boundary", False))
 
 
 @contextlib.contextmanager

@@ -123,6 +123,11 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
 
     """
 
+    #: :meth:`block_backward_sync` is DeepSpeed's step signal, not only a communication saving: a backward outside
+    #: it reaches the accumulation boundary, where ZeRO replaces the gradients it reduced since the last boundary.
+    #: Callbacks that skip the context to sync each batch must keep it here (ZeRO 2/3 reduce every micro-batch anyway).
+    block_backward_sync_marks_step_boundary = True
+
     def __init__(
         self,
         deepspeed_plugin: DeepSpeedPlugin | None = None,

@@ -46,6 +46,7 @@ class Regressor(L.LightningModule):
         self.seen: list[tuple[int, int, list[int], float]] = []
         self.steps: list[tuple[int, int, float]] = []
         self.micro_batch_grads: list[torch.Tensor | None] = []
+        self.boundaries: list[bool] = []  # DeepSpeed's accumulation boundary at each backward
         self.record_grads = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -57,6 +58,9 @@ class Regressor(L.LightningModule):
     def on_after_backward(self) -> None:
         if self.record_grads:
             self.micro_batch_grads.append(micro_batch_grad(self.net[0].weight))
+            engine = self.trainer.strategy.model
+            if hasattr(engine, "is_gradient_accumulation_boundary"):
+                self.boundaries.append(engine.is_gradient_accumulation_boundary())
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.steps.append((self.current_epoch, self.trainer.fit_loop.batch_idx, optimizer.param_groups[0]["lr"]))
@@ -168,6 +172,7 @@ def sync_each_batch(strategy: str, enabled: bool | None) -> dict[str, Any]:
     return {
         "first_micro_batch_grads": gathered,
         "micro_batches": len(module.micro_batch_grads),
+        "boundaries": module.boundaries,
         "global_step": trainer.global_step,
         "weights": full_weights(module),
     }
