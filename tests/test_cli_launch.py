@@ -197,21 +197,19 @@ def test_checkpoint_rotation_saves_on_each_nodes_disk_only_with_save_on_each_nod
         assert torch.equal(two_nodes.tensors[0]["main_only"][key], value), key
 
 
-# Accelerator.save_state under FSDP with SHARDED_STATE_DICT and save_on_each_node=True on node-local disks.
-SHARDED_ON_EACH_NODE_BUG = (
-    "save_state with FSDP SHARDED_STATE_DICT and save_on_each_node=True on node-local disks: each node's folder holds"
-    " only its own ranks' .distcp shards, and node 1's has no DCP .metadata (torch.distributed.checkpoint writes it"
-    " on rank 0 only), so load_state on node 1 fails: 'global metadata read failed: No such file or directory:"
-    " .../pytorch_model_fsdp_0/.metadata'"
-)
+# Sharded checkpoints with save_on_each_node=True on node-local disks: each node's folder is made whole (the shards
+# of the other node's ranks and the DCP .metadata that rank 0 alone writes are sent to it before it is published).
+SHARDED_FOLDERS = ("pytorch_model_fsdp_0", "optimizer_0")
 
 
-def sharded_files_missing(disk: Path, checkpoint: str, reference: Path) -> dict[str, list[str]]:
+def sharded_files_missing(
+    disk: Path, checkpoint: str, reference: Path, folders: tuple[str, ...] = SHARDED_FOLDERS
+) -> dict[str, list[str]]:
     """Per DCP folder of ``checkpoint``: the files its metadata (read under ``reference``) names that ``disk`` lacks."""
     from torch.distributed.checkpoint import FileSystemReader
 
     missing: dict[str, list[str]] = {}
-    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+    for folder in folders:
         metadata = FileSystemReader(str(reference / checkpoint / folder)).read_metadata()
         assert metadata.storage_data, folder
         needed = {".metadata"} | {item.relative_path for item in metadata.storage_data.values()}
@@ -219,7 +217,6 @@ def sharded_files_missing(disk: Path, checkpoint: str, reference: Path) -> dict[
     return missing
 
 
-@pytest.mark.xfail(strict=True, reason=SHARDED_ON_EACH_NODE_BUG)
 def test_save_state_with_save_on_each_node_gives_each_node_a_complete_sharded_checkpoint(two_nodes: TwoNodes) -> None:
     checkpoint = "shim/checkpoints/checkpoint_0"
     for f, disk in zip(two_nodes.facts, two_nodes.disks, strict=True):
@@ -227,15 +224,43 @@ def test_save_state_with_save_on_each_node_gives_each_node_a_complete_sharded_ch
         assert (disk / checkpoint).is_dir()
         assert f["shim_incomplete"] == []  # published on each disk: no .checkpoint_0.incomplete left
         assert f"random_states_{f['global_rank']}.pkl" in f["shim_files"]
+        assert not [name for name in f["shim_files"] if name.endswith(".receiving")]  # no partial copy left
     # node 0 holds the metadata (DCP's coordinator writes it); every disk must hold every file it names
     for disk in two_nodes.disks:
         assert sharded_files_missing(disk, checkpoint, two_nodes.disks[0]) == {
             "pytorch_model_fsdp_0": [],
             "optimizer_0": [],
         }, disk.name
+    node0, node1 = two_nodes.facts
+    assert node0["shim_files"] == node1["shim_files"]  # the same whole checkpoint on both disks
+    for name in node0["shim_files"]:  # and byte for byte the same files
+        first, second = (disk / checkpoint / name for disk in two_nodes.disks)
+        assert first.read_bytes() == second.read_bytes(), name
 
 
-@pytest.mark.xfail(strict=True, reason=SHARDED_ON_EACH_NODE_BUG)
+def test_checkpoint_rotation_under_sharded_fsdp_gives_each_node_a_complete_folder(two_nodes: TwoNodes) -> None:
+    """CheckpointRotation, acc_fsdp with SHARDED_STATE_DICT, save_on_each_node=True: a whole folder on each disk."""
+    checkpoint = "fsdp_each_node/checkpoints/checkpoint_1"
+    node0, node1 = two_nodes.facts
+    assert node0["fsdp_each_node"] == node1["fsdp_each_node"] == ["checkpoint_1"]  # rotated on both disks
+    for f in (node0, node1):
+        assert f["fsdp_each_node_incomplete"] == []
+        assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(f["fsdp_each_node_files"])
+    assert node0["fsdp_each_node_files"] == node1["fsdp_each_node_files"]
+    for disk in two_nodes.disks:
+        assert sharded_files_missing(disk, checkpoint, two_nodes.disks[0], folders=("",)) == {"": []}, disk.name
+
+
+def test_trainer_resumes_from_each_nodes_own_sharded_copy(two_nodes: TwoNodes) -> None:
+    for f, tensors in zip(two_nodes.facts, two_nodes.tensors, strict=True):
+        assert f["fsdp_resume_error"] is None, f["fsdp_resume_error"]
+        trained, initial, loaded = tensors["fsdp_trained"], tensors["fsdp_initial"], tensors["fsdp_loaded"]
+        assert trained.keys() == loaded.keys()
+        assert any(not torch.equal(initial[k], v) for k, v in trained.items())  # it started elsewhere
+        for key, value in trained.items():
+            assert torch.equal(loaded[key], value), key
+
+
 def test_load_state_from_each_nodes_disk_restores_the_saved_weights(two_nodes: TwoNodes) -> None:
     for f, tensors in zip(two_nodes.facts, two_nodes.tensors, strict=True):
         assert f["shim_load_error"] is None, f["shim_load_error"]

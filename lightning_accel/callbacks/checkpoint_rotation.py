@@ -25,6 +25,7 @@ from lightning_accel.utils.lightning_internals import (
     lightning_private_members,
     set_lightning_private,
 )
+from lightning_accel.utils.node_copies import complete_on_each_node
 from lightning_accel.utils.shared_errors import run_where
 
 __all__ = ["CheckpointRotation", "complete_checkpoints", "latest_checkpoint"]
@@ -84,7 +85,9 @@ class CheckpointRotation(ModelCheckpoint):
 
     Only the global-rank-0 process renames and deletes. With ``save_on_each_node=True`` the local-rank-0 process of
     every other node does the same afterwards on its own disk, and writes its own copy when the node cannot see the
-    one written by the strategy (storage that is not shared between nodes). Paths are local filesystem paths.
+    one written by the strategy (storage that is not shared between nodes). A sharded checkpoint (a folder) is made
+    whole on each node's disk before it is renamed: the shards and metadata a node lacks are sent to it by a node
+    that has them (nothing moves on shared storage). Paths are local filesystem paths.
 
     Args:
         project_config: ``project_dir`` (required), ``total_limit``, ``iteration``, ``save_on_each_node``;
@@ -250,6 +253,8 @@ class CheckpointRotation(ModelCheckpoint):
         if self._is_other_node_manager(trainer) and not temporary.exists():
             trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, temporary)
         trainer.strategy.barrier("CheckpointRotation.write_node_copies")
+        if self.project_config.save_on_each_node:  # a sharded folder: each node gets the shards it lacks
+            complete_on_each_node(temporary, node_manager=trainer.local_rank == 0, what="CheckpointRotation")
 
     def _rotate(self) -> None:
         limit = self.project_config.total_limit

@@ -7,7 +7,11 @@ node's disk). Facts go to the shared ``--out`` as ``rank<global rank>.json`` (an
 1. Trainer (``trainer_kwargs()``: DDP on CPU) with two ``CheckpointRotation`` callbacks, ``each_node/`` with
    ``save_on_each_node=True`` and ``main_only/`` without, saving after each of 2 steps with ``total_limit=1``: what
    each node's folders hold and the weights of the checkpoint found there.
-2. The shim, ``Accelerator`` with FSDP2 and ``SHARDED_STATE_DICT``, ``project_dir="shim"``, ``save_on_each_node=True``:
+2. Trainer with ``acc_fsdp`` (FSDP2, ``SHARDED_STATE_DICT``) and ``CheckpointRotation`` with
+   ``save_on_each_node=True`` in ``fsdp_each_node/``: 2 steps, a checkpoint folder after each, ``total_limit=1``; what
+   each node's folder holds, then a fresh Trainer (other initial weights) resumes from it with ``ckpt_path="last"``
+   and reports the weights it loaded (gathered on every rank) next to the trained ones.
+3. The shim, ``Accelerator`` with FSDP2 and ``SHARDED_STATE_DICT``, ``project_dir="shim"``, ``save_on_each_node=True``:
    trains 2 steps, ``save_state()``, lists the files of the checkpoint on this node, trains on, ``load_state()`` and
    reports the weights (gathered on every rank) at the save and after the load, or the error the load raised.
 """
@@ -30,6 +34,7 @@ import lightning_accel  # noqa: F401  (registers the acc_* names)
 from lightning_accel import Accelerator, trainer_kwargs
 from lightning_accel.callbacks import CheckpointRotation, complete_checkpoints
 from lightning_accel.config import ProjectConfiguration
+from lightning_accel.strategies import AcceleratedFSDPStrategy
 from lightning_accel.utils import FullyShardedDataParallelPlugin
 
 
@@ -98,6 +103,49 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def files_of(path: Path) -> list[str]:
+    """Every file under ``path``, relative to it (``[]`` if it is not a folder)."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+
+
+def fsdp_trainer(module: Regressor, max_steps: int) -> L.Trainer:
+    kwargs = trainer_kwargs()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    kwargs["strategy"] = AcceleratedFSDPStrategy(plugin)
+    trainer = L.Trainer(
+        **kwargs,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rotation("fsdp_each_node", True)],
+    )
+    return trainer
+
+
+def trainer_fsdp_part() -> tuple[dict[str, Any], dict[str, Any]]:
+    torch.manual_seed(0)
+    module = Regressor()
+    fsdp_trainer(module, 2).fit(module, DataLoader(data(), batch_size=4))
+    trained = full_weights(module)
+    found = complete_checkpoints(Path("fsdp_each_node") / "checkpoints")
+    facts: dict[str, Any] = {
+        "fsdp_each_node": [p.name for p in found],
+        "fsdp_each_node_incomplete": sorted(p.name for p in Path("fsdp_each_node", "checkpoints").glob(".*")),
+        "fsdp_each_node_files": files_of(found[-1]) if found else [],
+    }
+    torch.manual_seed(1)  # other initial weights: what the resumed module holds comes from the checkpoint
+    resumed = Regressor()
+    initial = {k: v.detach().clone() for k, v in resumed.state_dict().items()}
+    try:
+        fsdp_trainer(resumed, 2).fit(resumed, DataLoader(data(), batch_size=4), ckpt_path="last")
+        facts["fsdp_resume_error"] = None
+    except Exception as err:  # reported for the test to show
+        facts["fsdp_resume_error"] = f"{type(err).__name__}: {err}"[:3000]
+    loaded = full_weights(resumed)
+    return facts, {"fsdp_trained": trained, "fsdp_initial": initial, "fsdp_loaded": loaded}
+
+
 def shim_part() -> tuple[dict[str, Any], dict[str, Any]]:
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     project = ProjectConfiguration("shim", automatic_checkpoint_naming=True, save_on_each_node=True)
@@ -119,7 +167,7 @@ def shim_part() -> tuple[dict[str, Any], dict[str, Any]]:
     facts: dict[str, Any] = {
         "shim_distributed_type": str(accelerator.distributed_type.value),
         "shim_checkpoint": str(path),
-        "shim_files": sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) if path.is_dir() else [],
+        "shim_files": files_of(path),
         "shim_incomplete": sorted(p.name for p in path.parent.glob(".*")),
     }
     train(2)
@@ -139,8 +187,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     out = parser.parse_args().out
     facts, tensors = trainer_part()
+    fsdp_facts, fsdp_tensors = trainer_fsdp_part()
     shim_facts, shim_tensors = shim_part()
-    facts.update(shim_facts, cwd=os.getcwd())
+    facts.update(fsdp_facts, **shim_facts, cwd=os.getcwd())
+    tensors.update(fsdp_tensors)
     out.mkdir(parents=True, exist_ok=True)
     rank = facts["global_rank"]
     torch.save({**tensors, **shim_tensors}, out / f"rank{rank}.pt")
