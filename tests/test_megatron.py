@@ -28,7 +28,8 @@ from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.megatron import AcceleratedMegatronLMStrategy, FabricAcceleratedMegatronLMStrategy
 from lightning_accel.strategies.megatron_core import MegatronFamily, check_plugin
 from lightning_accel.utils import MegatronLMPlugin
-from tests.helpers import free_port, load_rank_results, run_python, torchrun
+from tests.helpers import SCRIPTS, free_port, load_rank_results, run_python, torchrun
+from tests.scripts.megatron_parity import CLIP
 
 HAS_MEGATRON = (
     importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -53,7 +54,11 @@ def test_registered_in_both_registries() -> None:
 
 
 def test_importing_the_package_does_not_import_megatron() -> None:
-    code = "import sys, lightning_accel; assert not [m for m in sys.modules if m.startswith('megatron')], sys.modules"
+    code = (
+        "import sys, lightning_accel; "
+        "loaded = [m for m, module in sys.modules.items() if m.startswith('megatron') and module is not None]; "
+        "assert not loaded, loaded"
+    )
     run_python(["-c", code], timeout=120)
 
 
@@ -140,6 +145,21 @@ def test_an_accelerate_config_file_builds_it(tmp_path: Path) -> None:
     path.write_text(_CONFIG)  # Accelerate's context_parallel_size default, 2, is refused with the key to set
     with pytest.raises(ValueError, match=r"context_parallel_size=2.*`megatron_lm_context_parallel_size: 1`"):
         trainer_kwargs(config=path, environ={})
+
+
+@needs_megatron
+def test_lightning_accel_launch_runs_a_megatron_config_on_two_cpu_processes(tmp_path: Path, runs: Results) -> None:
+    config = tmp_path / "megatron.yaml"
+    extra = "  megatron_lm_context_parallel_size: 1\n  megatron_lm_use_rotary_position_embeddings: false\n"
+    config.write_text(
+        _CONFIG.replace("megatron_lm_gradient_clipping: 0.5", f"megatron_lm_gradient_clipping: {CLIP}") + extra
+    )
+    launch = ["-m", "lightning_accel.cli", "launch", "--config_file", str(config), "--main_process_port"]
+    run_python([*launch, str(free_port()), str(SCRIPTS / "megatron_launched.py"), "--out", str(tmp_path)], timeout=300)
+    launched = load_rank_results(tmp_path)["launched"]
+    assert [result["tp"] for result in launched] == [(0, 2), (1, 2)]
+    for result in launched:
+        assert_matches(result, runs["tp1"][0])
 
 
 @needs_megatron
