@@ -94,7 +94,15 @@ def test_shared_storage_and_one_node_copy_nothing(run: dict[str, list[dict[str, 
 def test_a_failed_write_raises_on_every_process(run: dict[str, list[dict[str, Any]]]) -> None:
     first, second = run["failure"]
     assert first["error"] is not None and second["error"] == first["error"]  # rank 0's error, on both ranks
+    assert first["error"].startswith("NotADirectoryError") and "x.bin/inner" in first["error"]  # its first one
     assert any("raised on process 0 during the failure case" in note for note in second["notes"])
+
+
+def test_a_failed_read_leaves_no_file_and_raises_on_every_process(run: dict[str, list[dict[str, Any]]]) -> None:
+    first, second = run["sender_failure"]
+    assert first["error"] is not None and second["error"] == first["error"]
+    assert "shrank while it was sent" in first["error"]
+    assert (first["files"], second["files"]) == (["shard.distcp"], [])  # nothing half-received on rank 1's disk
 
 
 def test_save_state_on_one_node_with_save_on_each_node_copies_nothing_and_loads(

@@ -140,10 +140,12 @@ def _transfer(folder: Path, plan: Sequence[FileCopy], rank: int, chunk_bytes: in
     device = _device()
     error: BaseException | None = None
     for copy in plan:
+        outcome = None
         if copy.source == rank:
-            error = _send(folder, copy, chunk_bytes, device) or error
+            outcome = _send(folder, copy, chunk_bytes, device)
         elif rank in copy.destinations:
-            error = _receive(folder, copy, chunk_bytes, device) or error
+            outcome = _receive(folder, copy, chunk_bytes, device)
+        error = error or outcome  # every part is done; the first error is the one reported
     return error
 
 

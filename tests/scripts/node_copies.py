@@ -11,6 +11,7 @@ Each case reports, per rank, the plan and what the folders hold afterwards, to `
 4. ``one_node``: only rank 0 manages (one node): nothing to copy.
 5. ``failure``: rank 1's folder has a directory where rank 0 has a file, and the other way round: both writes fail,
    and both ranks raise (in time, not at the process group's timeout).
+6. ``sender_failure``: rank 0's read comes up short mid-file: rank 1 discards what it received, both ranks raise.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_accel.utils import node_copies
 from lightning_accel.utils.node_copies import FileCopy, complete_on_each_node, list_files
 
 CHUNK = 1000
@@ -89,6 +91,25 @@ def failure_case(root: Path, rank: int) -> dict[str, Any]:
     return {"error": None}
 
 
+def sender_failure_case(root: Path, rank: int) -> dict[str, Any]:
+    """Rank 0 lists a file as longer than it is (as if it shrank before it was sent): its read comes up short."""
+    folder = root / "sender_failure" / f"disk{rank}"
+    folder.mkdir(parents=True)
+    if rank == 0:
+        (folder / "shard.distcp").write_bytes(b"s" * 2500)
+    dist.barrier()
+    real = node_copies.list_files
+    if rank == 0:
+        node_copies.list_files = lambda path: {name: size + 10 for name, size in real(path).items()}  # type: ignore[assignment]
+    try:
+        complete_on_each_node(folder, node_manager=True, chunk_bytes=CHUNK, what="the sender failure case")
+    except RuntimeError as err:
+        return {"error": str(err), "files": sorted(p.name for p in folder.rglob("*"))}  # partial copies too
+    finally:
+        node_copies.list_files = real  # type: ignore[assignment]
+    return {"error": None, "files": sorted(p.name for p in folder.rglob("*"))}
+
+
 def save_state_case(root: Path) -> dict[str, Any]:
     from lightning_accel import Accelerator
     from lightning_accel._shim import checkpoint_control
@@ -148,6 +169,7 @@ def main() -> None:
     results["shared"] = shared_case(root, rank)
     results["one_node"] = one_node_case(root, rank)
     results["failure"] = failure_case(root, rank)
+    results["sender_failure"] = sender_failure_case(root, rank)
     dist.barrier()
     for case, result in results.items():
         torch.save(result, out / f"{case}_rank{rank}.pt")
