@@ -193,16 +193,6 @@ def test_fp16_loss_scaling_with_clipping_is_refused() -> None:
 
 
 @needs_megatron
-def test_fabric_checkpoints_at_tp2_are_refused(tmp_path: Path) -> None:
-    strategy = FabricAcceleratedMegatronLMStrategy(plugin(tp_degree=2))
-    with pytest.raises(ValueError, match=r"fabric.save\(\) with acc_megatron_lm and tp_degree=2 is not implemented"):
-        strategy.save_checkpoint(tmp_path / "state.ckpt", {})
-    with pytest.raises(ValueError, match=r"fabric.load\(\) with acc_megatron_lm and tp_degree=2"):
-        strategy.load_checkpoint(tmp_path / "state.ckpt")
-    assert not (tmp_path / "state.ckpt").exists()
-
-
-@needs_megatron
 def test_trainer_norm_clipping_at_tp2_is_refused() -> None:
     strategy = AcceleratedMegatronLMStrategy(plugin(tp_degree=2))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, gradient_clip_val=1.0, logger=False)
@@ -311,6 +301,24 @@ def test_tp2_checkpoint_holds_whole_weights_and_optimizer_state(runs: Results, r
     assert ours.keys() == reference.keys() and len(reference) > 0
     for index, state in reference.items():
         torch.testing.assert_close(ours[index]["momentum_buffer"], state["momentum_buffer"], rtol=0, atol=ATOL)
+
+
+@needs_megatron
+def test_fabric_save_at_tp2_holds_whole_weights_and_load_restores_the_shards(runs: Results, runs_dir: Path) -> None:
+    saved = torch.load(runs_dir / "fabric_tp2.ckpt", weights_only=False)
+    trainer_tp1 = torch.load(runs_dir / "tp1_checkpoints" / "last.ckpt", weights_only=False)  # after the same 4 steps
+    assert saved["step"] == 4
+    for name, value in saved["model"].items():
+        if value is not None:
+            torch.testing.assert_close(value, trainer_tp1["state_dict"][f"gpt.{name}"], rtol=0, atol=ATOL, msg=name)
+    for index, state in trainer_tp1["optimizer_states"][0]["state"].items():
+        torch.testing.assert_close(saved["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"])
+    for result in runs["fabric_tp2"]:
+        assert result["restored_step"] == 4
+        assert result["restored_weights"].keys() == result["weights"].keys()
+        for name, weight in result["weights"].items():
+            assert torch.equal(result["restored_weights"][name], weight), name
+        assert len(result["momentum_diffs"]) > 0 and max(result["momentum_diffs"]) == 0
 
 
 @needs_megatron

@@ -277,23 +277,39 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
         return clip_grad_norm_across_tensor_parallel(params, float(max_norm), check_finite=error_if_nonfinite)
 
     @override
-    def save_checkpoint(self, path: _PATH, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        self._refuse_sharded_checkpoint("save")
-        super().save_checkpoint(path, state, *args, **kwargs)
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """The module's state with whole tensor-parallel weights (every rank joins the gather in ``fabric.save``)."""
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        return gather_model_state(inner.state_dict(), inner)
 
     @override
-    def load_checkpoint(self, path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        self._refuse_sharded_checkpoint("load")
-        return super().load_checkpoint(path, *args, **kwargs)
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state with whole tensor-parallel tensors (a collective, like the module's)."""
+        return gather_optimizer_state(optimizer.state_dict(), optimizer)
 
-    def _refuse_sharded_checkpoint(self, action: str) -> None:
-        if self.megatron_lm_plugin.tp_degree > 1:
-            raise ValueError(
-                f"fabric.{action}() with acc_megatron_lm and tp_degree={self.megatron_lm_plugin.tp_degree} is not "
-                "implemented: Lightning's DDP checkpoint keeps rank 0's tensor-parallel shard only. Use the Trainer "
-                "(its checkpoints hold whole weights), or gather the shards with "
-                "lightning_accel.strategies.megatron_checkpoint.gather_model_state before saving"
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        super().load_module_state_dict(inner, split_model_state(state_dict, inner), strict=strict)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Lightning's loading, with each optimizer given this rank's slices of the whole tensors saved."""
+        if isinstance(state, Optimizer):
+            state.load_state_dict(
+                split_optimizer_state(super().load_checkpoint(path, weights_only=weights_only), state)
             )
+            return {}
+        if not isinstance(state, dict):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        slicing = {name: _SlicingOptimizer(obj) if isinstance(obj, Optimizer) else obj for name, obj in state.items()}
+        remainder = super().load_checkpoint(path, slicing, strict=strict, weights_only=weights_only)
+        for name, value in slicing.items():  # plain values are restored into the dict given to Lightning
+            if not isinstance(value, _SlicingOptimizer):
+                state[name] = value
+        return remainder
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -306,6 +322,19 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
     def teardown(self) -> None:
         super().teardown()
         self._megatron.teardown()
+
+
+class _SlicingOptimizer:
+    """Stands in for an optimizer while Lightning loads a checkpoint, so its whole tensors are sliced first."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(split_optimizer_state(state_dict, self.optimizer))
 
 
 ENTRIES = (

@@ -2,12 +2,12 @@
 
 Run under ``torch.distributed.run``. With 1 process it trains the references (``tp1``: tp=1, gradient clipping on,
 checkpointed; ``tp1_noclip``: clipping off; ``tp1_resumed``: on from ``tp1``'s checkpoint); with 2 processes ``tp2``
-(Trainer, tp=2, checkpointed), ``fabric_tp2`` (Fabric), ``fabric_tp2_clip_gradients`` (Fabric, clipped by
-``fabric.clip_gradients`` instead of the plugin), ``dp2`` (Trainer, tp=1 and data parallelism 2), ``accelerator_tp2``
-(the Accelerator shim), and from ``tp2``'s checkpoint ``tp2_resumed`` (tp=2) and ``dp2_from_tp2`` (tp=1). Every run
-sees the same global batches and starts from the same weights. Each rank saves ``{variant}_rank{r}.pt`` with the
-global loss of every step, the full (tensor-parallel shards gathered) weights after training, and what the strategy
-reported.
+(Trainer, tp=2, checkpointed), ``fabric_tp2`` (Fabric, then saved and loaded), ``fabric_tp2_clip_gradients`` (Fabric,
+clipped by ``fabric.clip_gradients`` instead of the plugin), ``dp2`` (Trainer, tp=1 and data parallelism 2),
+``accelerator_tp2`` (the Accelerator shim), and from ``tp2``'s checkpoint ``tp2_resumed`` (tp=2) and ``dp2_from_tp2``
+(tp=1). Every run sees the same global batches and starts from the same weights. Each rank saves
+``{variant}_rank{r}.pt`` with the global loss of every step, the full (tensor-parallel shards gathered) weights after
+training, and what the strategy reported.
 """
 
 from __future__ import annotations
@@ -153,8 +153,14 @@ def run_trainer(
     return {"losses": module.losses, **module.result}
 
 
-def run_fabric(plugin: MegatronLMPlugin, world: int, clip_by_call: float = 0.0) -> dict[str, Any]:
-    """Fabric's loop; ``clip_by_call`` > 0 clips with ``fabric.clip_gradients`` instead of the plugin."""
+def run_fabric(
+    plugin: MegatronLMPlugin, world: int, clip_by_call: float = 0.0, checkpoint: Path | None = None
+) -> dict[str, Any]:
+    """Fabric's loop; ``clip_by_call`` > 0 clips with ``fabric.clip_gradients`` instead of the plugin.
+
+    With ``checkpoint``, the trained model and optimizer are saved there with ``fabric.save`` and loaded into a fresh
+    model and optimizer with ``fabric.load``.
+    """
     strategy = FabricAcceleratedMegatronLMStrategy(plugin)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
@@ -175,8 +181,21 @@ def run_fabric(plugin: MegatronLMPlugin, world: int, clip_by_call: float = 0.0) 
         opt.zero_grad()
         losses.append(global_loss(loss))
     result = {"losses": losses, "weights": full_weights(model), **report(strategy, model)}
+    if checkpoint is not None:
+        result.update(save_and_load(fabric, plugin, checkpoint, wrapped, opt))
     strategy.teardown()
     return result
+
+
+def save_and_load(fabric: L.Fabric, plugin: MegatronLMPlugin, path: Path, model: Any, opt: Any) -> dict[str, Any]:
+    fabric.save(path, {"model": model, "optimizer": opt, "step": STEPS})
+    fresh = build(plugin, cpu_attention=True)
+    fresh_model, fresh_opt = fabric.setup(fresh, optimizer(fresh.parameters()))
+    restored: dict[str, Any] = {"model": fresh_model, "optimizer": fresh_opt, "step": 0}
+    fabric.load(path, restored)
+    ours, theirs = opt.state_dict()["state"], fresh_opt.state_dict()["state"]  # this rank's shards
+    momentum = [float((ours[i]["momentum_buffer"] - theirs[i]["momentum_buffer"]).abs().max()) for i in ours]
+    return {"restored_step": restored["step"], "restored_weights": full_weights(fresh), "momentum_diffs": momentum}
 
 
 def run_accelerator(plugin: MegatronLMPlugin) -> dict[str, Any]:
@@ -229,7 +248,7 @@ def main() -> None:
         checkpoints = args.out / "tp2_checkpoints"
         variants = {
             "tp2": lambda: run_trainer(tp2, 2, save_to=checkpoints),
-            "fabric_tp2": lambda: run_fabric(tp2, 2),
+            "fabric_tp2": lambda: run_fabric(tp2, 2, checkpoint=args.out / "fabric_tp2.ckpt"),
             "fabric_tp2_clip_gradients": lambda: run_fabric(
                 MegatronLMPlugin(tp_degree=2, **COMMON, gradient_clipping=0), 2, clip_by_call=CLIP
             ),
