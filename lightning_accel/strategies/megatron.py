@@ -6,8 +6,10 @@ megatron-core's parallel state built over Lightning's process group; the behavio
 megatron-core layers (or :func:`~lightning_accel.strategies.megatron_gpt.gpt_model`) inside ``configure_model`` for
 the Trainer, or after ``fabric.launch()``. Data parallelism is ``DistributedDataParallel`` over megatron's
 data-parallel group, and gradients are clipped by ``MegatronLMPlugin.gradient_clipping`` using the norm of the whole
-(unsharded) gradient. Pipeline, context, expert and sequence parallelism and megatron's distributed optimizer are
-refused with the setting that asks for them (see :func:`~lightning_accel.strategies.megatron_core.check_plugin`).
+(unsharded) gradient. Checkpoints hold whole tensors, whatever ``tp_degree`` wrote them
+(:mod:`~lightning_accel.strategies.megatron_checkpoint`). Pipeline, context, expert and sequence parallelism and
+megatron's distributed optimizer are refused with the setting that asks for them (see
+:func:`~lightning_accel.strategies.megatron_core.check_plugin`).
 """
 
 from __future__ import annotations
@@ -193,7 +195,8 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
     """Fabric twin of :class:`AcceleratedMegatronLMStrategy`.
 
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Gradients are clipped by
-    ``MegatronLMPlugin.gradient_clipping`` in ``optimizer.step()``, just before the update.
+    ``MegatronLMPlugin.gradient_clipping`` in ``optimizer.step()``, just before the update; ``fabric.save`` and
+    ``fabric.load`` gather and slice tensor-parallel weights and optimizer state.
     """
 
     def __init__(
