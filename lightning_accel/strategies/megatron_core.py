@@ -95,7 +95,9 @@ def check_plugin(plugin: MegatronLMPlugin | None) -> MegatronLMPlugin:
     for name, supported, fix in _UNSUPPORTED:
         value = getattr(plugin, name)
         if value != supported:
-            raise ValueError(f"acc_megatron_lm cannot run MegatronLMPlugin({name}={value!r}): {fix}.")
+            raise ValueError(
+                f"acc_megatron_lm (DistributedType.MEGATRON_LM) cannot run MegatronLMPlugin({name}={value!r}): {fix}."
+            )
     return plugin
 
 
