@@ -244,6 +244,12 @@ def test_acc_auto_builds_the_launched_strategy_for_trainer_and_fabric(launched_e
     assert isinstance(fabric.strategy, FabricAcceleratedFSDPStrategy)
 
 
-def test_acc_auto_refuses_types_without_a_strategy() -> None:
-    with pytest.raises(ValueError, match=r"no strategy for DistributedType\.MEGATRON_LM yet"):
-        AcceleratedAutoStrategy(environ={"ACCELERATE_USE_MEGATRON_LM": "true"})
+def test_acc_auto_builds_megatron_from_the_launchers_variables() -> None:
+    from lightning_accel.strategies.megatron import AcceleratedMegatronLMStrategy
+
+    env = {"ACCELERATE_USE_MEGATRON_LM": "true", "MEGATRON_LM_TP_DEGREE": "2", "MEGATRON_LM_CONTEXT_PARALLEL_SIZE": "1"}
+    strategy = AcceleratedAutoStrategy(environ=env)
+    assert isinstance(strategy, AcceleratedMegatronLMStrategy)
+    assert strategy.distributed_type is DistributedType.MEGATRON_LM
+    with pytest.raises(ValueError, match=r"cannot run MegatronLMPlugin\(context_parallel_size=2\)"):
+        AcceleratedAutoStrategy(environ={"ACCELERATE_USE_MEGATRON_LM": "true"})  # Accelerate's default cp size

@@ -16,6 +16,8 @@ from typing import Any
 
 from lightning_accel.config import _arguments
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, section_settings
+from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.megatron_core import check_plugin as check_megatron_plugin
 from lightning_accel.strategies.registry import entry_for
 from lightning_accel.utils.environment import env_from_settings
 from lightning_accel.utils.launch import _CPU_THREAD_ENV, _DEFAULT_PORT, _VISIBLE_DEVICES
@@ -84,7 +86,9 @@ def _check_launchable(settings: Mapping[str, Any]) -> None:
     if plugin is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plugin.build(settings)
+            built = plugin.build(settings)
+        if dtype is DistributedType.MEGATRON_LM:  # settings the strategy does not implement, before any worker starts
+            check_megatron_plugin(built)
     if settings.get("mpirun_hostfile"):
         raise ValueError(
             "mpirun_config.mpirun_hostfile is set, but lightning-accel launch starts processes with "
