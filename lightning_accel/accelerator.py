@@ -113,7 +113,7 @@ class Accelerator(
             ``ProfileKwargs``; each goes to the strategy, precision plugin or method that uses it.
         dynamo_plugin: ``torch.compile`` settings applied by the strategy when a model is prepared.
         log_with: Tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"comet_ml"``, ``"all"``) or objects.
-        megatron_lm_plugin: Accepted for Accelerate's signature; there is no Megatron-LM strategy yet (raises).
+        megatron_lm_plugin: Megatron-LM settings: the run uses ``acc_megatron_lm`` (tensor and data parallelism).
         dynamo_backend: Shorthand for ``dynamo_plugin=TorchDynamoPlugin(backend=...)``.
         split_batches: Deprecated in Accelerate: ``DataLoaderConfiguration(split_batches=...)``. Given here, it is
             applied to the data-loader configuration with a ``FutureWarning`` (Accelerate 1.15 ignores it).
