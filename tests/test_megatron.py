@@ -344,11 +344,6 @@ def test_parallel_state_sampler_and_shards(runs: Results) -> None:
 
 
 @needs_megatron
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Accelerator shim's prepare(dataloader) shards over all processes (_shim/parallelism.data_shards "
-    "asks the strategy only when it has a device mesh), so tensor-parallel peers read different batches",
-)
 def test_accelerator_prepared_loader_gives_tensor_parallel_peers_the_same_batches(runs: Results) -> None:
     first, second = (result["prepared_batches"] for result in runs["accelerator_tp2"])
     assert first == second

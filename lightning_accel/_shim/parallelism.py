@@ -49,13 +49,14 @@ def recorded_plugins(strategy: Any, given: Mapping[str, Any]) -> dict[str, Any]:
 def data_shards(strategy: Any) -> tuple[int, int]:
     """``(num_processes, process_index)`` to shard data loaders with: the strategy's data-parallel group.
 
-    A strategy with a device mesh answers with the ``dp`` dimension (``distributed_sampler_kwargs``); the others shard
-    over all processes.
+    A multi-process strategy answers with ``distributed_sampler_kwargs`` (the mesh's ``dp`` dimension for
+    ``acc_parallel``, megatron's data-parallel group for ``acc_megatron_lm``, every process for DDP, FSDP and
+    DeepSpeed), so tensor-parallel peers read the same batches; without one, loaders shard over all processes.
     """
-    state = PartialState()
-    if getattr(strategy, "torch_device_mesh", None) is None:
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+    if not kwargs:
+        state = PartialState()
         return state.num_processes, state.process_index
-    kwargs = strategy.distributed_sampler_kwargs
     return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
 
