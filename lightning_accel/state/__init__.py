@@ -14,6 +14,7 @@ import functools
 import gc
 import os
 import sys
+import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
@@ -497,6 +498,9 @@ def _accelerator_type() -> str:
     return "cpu" if current is None else current.type
 
 
+_GLOO_DRAIN_SECONDS = 0.05
+
+
 def destroy_process_group() -> None:
     """Destroy the default process group, and DeepSpeed's cached groups with it where DeepSpeed set them up.
 
@@ -505,9 +509,12 @@ def destroy_process_group() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    # Collect cycles first (e.g. a caught collective error's traceback): a gloo work object freed only at interpreter
-    # exit deadlocks on the GIL.
+    # A gloo work object freed while the process group itself is being destroyed deadlocks: the destructor holds
+    # the GIL and waits for gloo's worker thread, which waits for the GIL to free the work's tensors (torch issue
+    # 56297; the group outlives this call inside any DDP reducer, and dies at interpreter exit). Collect cycles
+    # (e.g. a caught collective error's traceback) and let the worker threads free the work that just completed.
     gc.collect()
+    time.sleep(_GLOO_DRAIN_SECONDS)
     deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
     backend = getattr(deepspeed_comm, "cdb", None)
     if backend is not None and backend.is_initialized():
