@@ -10,6 +10,7 @@ The first ``PartialState()`` of a launched process joins the launch's process gr
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import os
@@ -521,6 +522,17 @@ def destroy_process_group() -> None:
         deepspeed_comm.destroy_process_group()  # type: ignore[union-attr]  # the module is loaded: backend is set
     else:
         dist.destroy_process_group()
+
+
+@atexit.register
+def _destroy_at_exit() -> None:
+    """Destroy a default process group still alive at exit, while the interpreter can still run its clean-up.
+
+    Lightning's Trainer keeps the group after ``fit`` (for the next call), and a script may end without
+    ``destroy_process_group``; gloo's worker threads torn down during interpreter finalization then abort the
+    process now and then ("terminate called without an active exception") after it finished its work.
+    """
+    destroy_process_group()
 
 
 def reset_state() -> None:
