@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,6 +57,27 @@ def run_python(args: list[str], timeout: float = 300, **extra_env: str) -> subpr
     if proc.returncode != 0:
         raise AssertionError(f"{cmd} exited with {proc.returncode}:\n{proc.stdout[-5000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def wait_all(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> list[str]:
+    """Wait for processes started with ``start_new_session=True``; return their outputs (stdout, with stderr).
+
+    Raises:
+        AssertionError: If they outlast ``timeout`` seconds (every process group is then killed) or one fails.
+
+    """
+    outputs: list[str] = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"{what} did not finish in {timeout}s:\n" + "\n".join(outputs)) from None
+    if any(proc.returncode != 0 for proc in procs):
+        raise AssertionError(f"{what} failed:\n" + "\n".join(output[-6000:] for output in outputs))
+    return outputs
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:

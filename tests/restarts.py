@@ -14,15 +14,13 @@ uninterrupted run.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from tests.helpers import SCRIPTS, clean_env, free_port
+from tests.helpers import SCRIPTS, clean_env, free_port, wait_all
 
 TOPOLOGIES = ("standalone", "fixed_port", "two_nodes")
 TRAINER_SCRIPT = "faults_restart.py"
@@ -69,19 +67,7 @@ def run(
         )
         for cmd in _node_commands(topology, script, project, out, kill_at_step)
     ]
-    outputs: list[str] = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"{topology} run did not finish in {timeout}s:\n" + "\n".join(outputs)) from None
-    text = "\n".join(outputs)
-    if any(proc.returncode != 0 for proc in procs):
-        raise AssertionError(f"{topology} run failed:\n{text[-8000:]}")
-    return text
+    return "\n".join(wait_all(procs, timeout, f"{topology} run"))
 
 
 def mismatches(reference: Path, result: Path) -> list[str]:

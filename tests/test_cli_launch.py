@@ -7,8 +7,6 @@ script runs) with ``HF_HOME`` pointing at an empty directory, so no default conf
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ import pytest
 import torch
 
 import lightning_accel
-from tests.helpers import SCRIPTS, clean_env, free_port, run_python
+from tests.helpers import SCRIPTS, clean_env, free_port, run_python, wait_all
 
 FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
 LAUNCH = ["-m", "lightning_accel.cli", "launch"]
@@ -132,21 +130,6 @@ def _start_node(rank: int, port: int, script: str, out: Path, hf_home: Path, cwd
     )
 
 
-def _wait(nodes: list[subprocess.Popen[str]]) -> list[str]:
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-        raise AssertionError("the two launches did not finish in time:\n" + "\n".join(outputs)) from None
-    for node, output in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, output[-6000:]
-    return outputs
-
-
 @dataclass(frozen=True)
 class TwoNodes:
     """What ``launch_save_on_each_node.py`` left: per-rank facts and tensors, and each node's own disk (folder)."""
@@ -165,7 +148,8 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> TwoNodes:
     root, port = tmp_path_factory.mktemp("two_nodes"), free_port()
     disks = [root / f"node{rank}_disk" for rank in (0, 1)]
     out = root / "out"
-    _wait([_start_node(r, port, "launch_save_on_each_node.py", out, root / "hf", disks[r]) for r in (0, 1)])
+    nodes = [_start_node(r, port, "launch_save_on_each_node.py", out, root / "hf", disks[r]) for r in (0, 1)]
+    wait_all(nodes, TIMEOUT, "the two launches")
     tensors = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     return TwoNodes(_rank_facts(out), tensors, disks)
 
