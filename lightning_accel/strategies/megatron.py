@@ -53,7 +53,33 @@ def _refuse_scaled_gradients(precision: Any, family: MegatronFamily) -> None:
         )
 
 
-class AcceleratedMegatronLMStrategy(AcceleratedDDPStrategy):
+class _MegatronMembers:
+    """What the Trainer and Fabric twins share, read from their ``_megatron`` family (listed first among the bases)."""
+
+    _megatron: MegatronFamily
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's type: ``MEGATRON_LM``."""
+        return DistributedType.MEGATRON_LM
+
+    @property
+    def megatron_lm_plugin(self) -> MegatronLMPlugin:
+        """The Megatron-LM settings this strategy runs."""
+        return self._megatron.plugin
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard data over megatron's data-parallel group: tensor-parallel peers read the same batches."""
+        return self._megatron.sampler_kwargs()
+
+    def teardown(self) -> None:
+        """Lightning's teardown, then megatron's parallel state is destroyed."""
+        super().teardown()  # type: ignore[misc]  # the Lightning strategy after this class in the MRO
+        self._megatron.teardown()
+
+
+class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
     """Trainer strategy for ``DistributedType.MEGATRON_LM``: megatron-core tensor parallelism plus data parallelism.
 
     Args:
@@ -107,17 +133,6 @@ class AcceleratedMegatronLMStrategy(AcceleratedDDPStrategy):
             precision_plugin=precision_plugin,
         )
 
-    @property
-    @override
-    def distributed_type(self) -> DistributedType:
-        """Accelerate's type: ``MEGATRON_LM``."""
-        return DistributedType.MEGATRON_LM
-
-    @property
-    def megatron_lm_plugin(self) -> MegatronLMPlugin:
-        """The Megatron-LM settings this strategy runs."""
-        return self._megatron.plugin
-
     @override
     def _configure_launcher(self) -> None:
         self._megatron.check_devices(self.parallel_devices)
@@ -131,11 +146,6 @@ class AcceleratedMegatronLMStrategy(AcceleratedDDPStrategy):
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         return self._megatron.wrap(model, self.determine_ddp_device_ids())
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._megatron.sampler_kwargs()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -185,13 +195,8 @@ class AcceleratedMegatronLMStrategy(AcceleratedDDPStrategy):
         ]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._megatron.teardown()
 
-
-class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
+class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDPStrategy):
     """Fabric twin of :class:`AcceleratedMegatronLMStrategy`.
 
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Gradients are clipped by
@@ -225,17 +230,6 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
             precision=precision,
         )
 
-    @property
-    @override
-    def distributed_type(self) -> DistributedType:
-        """Accelerate's type: ``MEGATRON_LM``."""
-        return DistributedType.MEGATRON_LM
-
-    @property
-    def megatron_lm_plugin(self) -> MegatronLMPlugin:
-        """The Megatron-LM settings this strategy runs."""
-        return self._megatron.plugin
-
     @override
     def _configure_launcher(self) -> None:
         self._megatron.check_devices(self.parallel_devices)
@@ -251,11 +245,6 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
         wrapped = self._megatron.wrap(module, self._determine_ddp_device_ids())
         self._megatron_modules.append(wrapped)
         return wrapped
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._megatron.sampler_kwargs()
 
     @override
     def clip_gradients_norm(
@@ -320,11 +309,6 @@ class FabricAcceleratedMegatronLMStrategy(FabricAcceleratedDDPStrategy):
         for module in self._megatron_modules:
             self._megatron.clip_gradients(module)
         return super().optimizer_step(optimizer, **kwargs)
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._megatron.teardown()
 
 
 class _SlicingOptimizer:
