@@ -8,6 +8,8 @@ these plugins (see :func:`from_lightning`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from lightning_accel.enums import PrecisionType
@@ -58,7 +60,22 @@ def from_lightning(plugin: Any) -> Any:
         return FP16Precision(device=plugin.device, scaler=plugin.scaler)  # the user's scaler (or Lightning's default)
     if kind in (trainer.HalfPrecision, fabric.HalfPrecision):
         return BF16Precision(mode="true") if plugin.precision == "bf16-true" else FP16Precision(mode="true")
+    if kind is fabric.FSDPPrecision:  # Fabric's connector builds it for acc_fsdp, a virtual Lightning FSDPStrategy
+        return _from_fsdp_string(plugin.precision, plugin)
     return plugin
+
+
+def _from_fsdp_string(precision: str, plugin: Any) -> Any:
+    """The plugin of this package for the precision string of Lightning's ``FSDPPrecision`` (acc_fsdp shards itself)."""
+    translations: dict[str, Callable[[], AcceleratePrecision]] = {
+        "32-true": FP32Precision,
+        "bf16-mixed": BF16Precision,
+        "16-mixed": FP16Precision,
+        "bf16-true": functools.partial(BF16Precision, mode="true"),
+        "16-true": functools.partial(FP16Precision, mode="true"),
+    }
+    translated = translations.get(precision)
+    return plugin if translated is None else translated()
 
 
 def bind_device(plugin: Any, device_type: str) -> None:

@@ -125,7 +125,11 @@ class AcceleratePrecision(Precision):
 
     @override
     def forward_context(self) -> Any:
-        return self.autocast_context_manager()
+        """Autocast in ``"mixed"`` mode; in ``"true"`` mode the compute dtype as default dtype (as ``HalfPrecision``).
+
+        So tensors a forward pass creates (masks, caches, ``torch.zeros``) take the dtype of the converted weights.
+        """
+        return self.tensor_init_context() if self.mode == "true" else self.autocast_context_manager()
 
     @override
     def convert_module(self, module: Module) -> Module:

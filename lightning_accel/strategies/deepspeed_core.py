@@ -30,6 +30,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
+from lightning_accel.strategies.deepspeed_env import plugin_from_lightning_variable
 from lightning_accel.utils.compile import apply_dynamo
 from lightning_accel.utils.constants import WEIGHTS_NAME
 
@@ -330,7 +331,8 @@ class DeepSpeedFamily:
 
     Args:
         strategy_name: The registered name, used in error messages.
-        plugin: The DeepSpeed settings; ``None`` means ``DeepSpeedPlugin()`` (ZeRO stage 2).
+        plugin: The DeepSpeed settings; ``None`` means the JSON file ``PL_DEEPSPEED_CONFIG_PATH`` names when it is set
+            (as in Lightning), else ``DeepSpeedPlugin()`` (ZeRO stage 2).
         plugin_fields: Fields for the plugin built when ``plugin`` is ``None`` (by the ``acc_deepspeed_stage_*`` names).
         dynamo_plugin: ``torch.compile`` settings applied to the model before DeepSpeed wraps it.
 
@@ -358,6 +360,8 @@ class DeepSpeedFamily:
             )
         self.strategy_name = strategy_name
         self.dynamo_plugin = dynamo_plugin
+        if plugin is None:
+            plugin = plugin_from_lightning_variable(strategy_name, plugin, plugin_fields)
         self.plugin = plugin if plugin is not None else DeepSpeedPlugin(**dict(plugin_fields or {}))
         self.config: dict[str, Any] = copy.deepcopy(self.plugin.deepspeed_config)
 

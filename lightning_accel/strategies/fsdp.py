@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,7 +16,9 @@ import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.strategies import FSDPStrategy as LightningFabricFSDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_meta_tensors
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
@@ -31,7 +33,7 @@ from typing_extensions import override
 from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
+from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter, checkpoint_value
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.lightning_internals import (
@@ -278,6 +280,13 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
     ``prepare(model, optimizer, ...)``) takes an optimizer built from the unsharded model and points its param groups
     at the sharded parameters; ``model = fabric.setup_module(model)`` followed by
     ``fabric.setup_optimizers(SGD(model.parameters()))`` works as well.
+
+    It keeps the contract of Lightning's Fabric ``FSDPStrategy``, and is registered as its virtual subclass, so code
+    that asks ``isinstance(fabric.strategy, FSDPStrategy)`` (litgpt) takes its FSDP path: ``fabric.init_module(
+    empty_init=True)`` creates the model on the meta device and setup materializes it with each module's
+    ``reset_parameters()``; ``fabric.load_raw(path, model)`` loads a full state-dict file into the shards; stateful
+    objects in ``fabric.save``/``fabric.load`` states are saved with ``state_dict()`` and restored with
+    ``load_state_dict()``.
     """
 
     def __init__(
@@ -308,6 +317,31 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
         set_lightning_private(self, "_backward_sync_control", _FSDPBackwardSyncControl(self._fsdp))
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
 
+    @property
+    @override
+    def precision(self) -> FabricPrecision:
+        return _FABRIC_DDP_PRECISION.fget(self)  # type: ignore[misc]
+
+    @precision.setter
+    def precision(self, precision: FabricPrecision | None) -> None:
+        _FABRIC_DDP_PRECISION.fset(self, _fp16_on_cpu_as_bf16(precision, self.accelerator))  # type: ignore[misc]
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Create the model on the meta device with ``empty_init=True`` (materialized by setup), else as DDP does."""
+        if not empty_init:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        """Move ``module`` to this process's device, unless it is still on the meta device (setup materializes it)."""
+        if not _has_meta_device_parameters_or_buffers(module):
+            super().module_to_device(module)
+
     @override
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
@@ -318,6 +352,7 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
             ValueError: As :meth:`~lightning_accel.strategies.fsdp_core.FSDPFamily.wrap_with_optimizers` does.
 
         """
+        self._materialize(module)
         sharded = self._fsdp.wrap_with_optimizers(module, optimizers, self.root_device, self.world_size, self.precision)
         self._sharded_modules.add(sharded)
         return sharded, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
@@ -329,9 +364,20 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
+        self._materialize(module)
         sharded = self._fsdp.wrap(module, self.root_device, self.world_size, self.precision)
         self._sharded_modules.add(sharded)
         return sharded
+
+    def _materialize(self, module: Module) -> None:
+        """Allocate a model made under ``init_module(empty_init=True)`` and initialize it with ``reset_parameters()``.
+
+        Raises:
+            TypeError: If a module with meta-device tensors has no ``reset_parameters`` (as in Lightning's FSDP).
+
+        """
+        if _has_meta_device_parameters_or_buffers(module):
+            _materialize_meta_tensors(module, self.root_device)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -366,7 +412,7 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
             if isinstance(value, Module)
             else self._fsdp.optimizer_state_dict(module, value)
             if isinstance(value, Optimizer)
-            else value
+            else checkpoint_value(value)
             for key, value in state.items()
         }
         if self._fsdp.full_state_dict:
@@ -385,13 +431,48 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
+        if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
+            self._fsdp.load_raw_module(Path(self.broadcast(path)), state, strict=strict)
+            return {}
         if not isinstance(state, dict):
             raise ValueError(
-                "acc_fsdp loads checkpoints into a state dict of live objects:"
-                " `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
+                "acc_fsdp loads an optimizer only together with its sharded model (its state is keyed by the model's"
+                " parameter names): `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`; got"
+                f" {type(state).__name__}."
             )
         path = Path(self.broadcast(path))
         return self._fsdp.load_into(path, state, _single_module(state), strict=strict)
+
+
+# Code that checks for Lightning's Fabric FSDP (litgpt's checkpoint loading and weight initialization) takes its
+# FSDP path under acc_fsdp. Only isinstance changes: no behaviour is inherited from Lightning's class.
+LightningFabricFSDPStrategy.register(FabricAcceleratedFSDPStrategy)
+
+
+_FABRIC_DDP_PRECISION: property = FabricAcceleratedDDPStrategy.precision
+
+
+def _fp16_on_cpu_as_bf16(precision: Any, accelerator: Any) -> Any:
+    """Lightning's rewrite of ``precision="16-mixed"`` on CPU to ``"bf16-mixed"``, for the ``FSDPPrecision`` path.
+
+    Fabric's connector rewrites the string (with a warning) only for strategies it does not take for FSDP; for an
+    ``FSDPStrategy`` (acc_fsdp is a virtual one) it builds ``FSDPPrecision("16-mixed")``, which fp16 on CPU cannot run.
+    """
+    from lightning.fabric.accelerators import CPUAccelerator
+    from lightning.fabric.plugins.precision import FSDPPrecision
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    if (
+        type(precision) is FSDPPrecision
+        and precision.precision == "16-mixed"
+        and isinstance(accelerator, CPUAccelerator)
+    ):
+        rank_zero_warn(
+            "You passed `Fabric(accelerator='cpu', precision='16-mixed')` but AMP with fp16 is not supported on "
+            "CPU. Using `precision='bf16-mixed'` instead."
+        )
+        return FSDPPrecision("bf16-mixed")
+    return precision
 
 
 def _reshard(module: Module) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -216,9 +217,36 @@ class FSDPFamily:
                 refresh_float8_scales(value)  # scales precomputed for the weights before the load are stale
             elif isinstance(value, Optimizer):
                 set_optimizer_state_dict(model, value, checkpoint.pop(key), options=options)
+            elif isinstance(value, _Stateful):  # a stateful data loader, a scheduler: restored in place
+                value.load_state_dict(checkpoint.pop(key))
             else:
                 state[key] = checkpoint.pop(key)
         return checkpoint
+
+    def load_raw_module(self, path: Path, module: Module, strict: bool = True) -> None:
+        """Load a plain full state-dict file (``torch.save(model.state_dict())``) into the sharded ``module``.
+
+        This is ``fabric.load_raw(path, model)``: every process reads the file and keeps its own shards.
+
+        Raises:
+            ValueError: If ``path`` is a sharded checkpoint directory rather than one state-dict file.
+            FileNotFoundError: If there is nothing at ``path``.
+
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from lightning_accel.precision.fp8 import refresh_float8_scales
+
+        if is_sharded_checkpoint(path) or path.is_dir():
+            raise ValueError(
+                f"`load_raw` reads one file holding a full state dict, but {str(path)!r} is a directory; load a sharded"
+                " checkpoint with `fabric.load(path, {'model': model, ...})`."
+            )
+        if not path.is_file():
+            raise FileNotFoundError(f"No state-dict file at {str(path)!r}.")
+        state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        set_model_state_dict(module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+        refresh_float8_scales(module)
 
     def save_trainer_checkpoint(self, checkpoint: dict[str, Any], path: Path, is_global_zero: bool) -> None:
         """Write a Trainer checkpoint (``state_dict`` and ``optimizer_states`` become shards)."""
@@ -374,6 +402,16 @@ class FSDPFamilyAdapter:
     def fsdp_plugin(self) -> FullyShardedDataParallelPlugin:
         """The FSDP settings in use."""
         return self._fsdp.plugin
+
+
+def checkpoint_value(value: Any) -> Any:
+    """What a checkpoint stores for a state entry other than a module or an optimizer.
+
+    A stateful object (a resumable data loader, a scheduler, anything with ``state_dict``/``load_state_dict``) is
+    stored as its ``state_dict()``, and :meth:`FSDPFamily.load_into` hands that back to its ``load_state_dict``, as
+    Lightning's strategies do; any other value is stored as it is.
+    """
+    return value.state_dict() if isinstance(value, _Stateful) else value
 
 
 def _refresh_after_step(module: Module, *_: Any) -> None:

@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.fsdp_core import checkpoint_value
 from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
@@ -338,7 +339,7 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParal
             if isinstance(value, Module)
             else io.optimizer_state_dict(module, value)
             if isinstance(value, Optimizer)
-            else value
+            else checkpoint_value(value)
             for key, value in state.items()
         }
         if io.full_state_dict:
@@ -358,10 +359,14 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParal
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
+        if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
+            self._parallel.checkpoints.load_raw_module(Path(self.broadcast(path)), state, strict=strict)
+            return {}
         if not isinstance(state, dict):
             raise ValueError(
-                "acc_parallel loads checkpoints into a state dict of live objects:"
-                " `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
+                "acc_parallel loads an optimizer only together with its sharded model (its state is keyed by the"
+                " model's parameter names): `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`; got"
+                f" {type(state).__name__}."
             )
         path = Path(self.broadcast(path))
         return self._parallel.checkpoints.load_into(path, state, _single_module(state), strict=strict)

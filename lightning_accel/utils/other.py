@@ -138,7 +138,9 @@ def clean_state_dict_for_safetensors(state_dict: dict[str, Any]) -> dict[str, An
 
 # What ``load`` lets ``weights_only`` rebuild besides tensors: numpy arrays and dtypes (numpy's RNG state) and
 # ``codecs.encode`` (how Python pickles bytes), Accelerate's list.
-_NUMPY_CORE: Any = getattr(np, "_core", None) or np.core  # numpy 2 renamed it
+# numpy 2 renamed ``numpy.core`` to ``numpy._core``; numpy 1.26 already has a ``numpy._core`` stub, but its arrays
+# still pickle ``numpy.core.multiarray._reconstruct`` and the stub's ``multiarray`` is not loaded, so ask the version.
+_NUMPY_CORE: Any = np.core if np.lib.NumpyVersion(np.__version__) < "2.0.0" else getattr(np, "_core")  # noqa: B009
 TORCH_SAFE_GLOBALS: list[Any] = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, codecs.encode, np.dtype]
 if hasattr(np, "dtypes"):  # numpy 1.25 and newer
     TORCH_SAFE_GLOBALS.append(np.dtypes.UInt32DType)
