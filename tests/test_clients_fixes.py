@@ -65,6 +65,13 @@ def test_join_uneven_inputs_reads_the_state_distributed_type(results: Results) -
     assert ours == hf == [{"warned": True}] * 2
 
 
+def test_join_override_names_map_style_loaders(results: Results) -> None:
+    hf, ours = _case(results, "join_iterable_warning")
+    # Accelerate joins on GPUs only and says so on CPU; we join on CPU and warn as Accelerate does on GPUs.
+    assert all(any("only supported for multi-GPU" in m for m in r["messages"]) for r in hf)
+    assert all(any("only supported for map-style datasets" in m for m in r["messages"]) for r in ours)
+
+
 # ---- single process ------------------------------------------------------------------------------------------------
 
 

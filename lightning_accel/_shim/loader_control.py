@@ -168,8 +168,8 @@ class DataLoaderControl:
         for loader in self._dataloaders:
             if isinstance(loader, DataLoaderDispatcher):
                 warnings.warn(
-                    "join_uneven_inputs(even_batches=...) changes map-style loaders only; a dispatched loader keeps"
-                    " its setting.",
+                    "Overriding even_batches in join_uneven_inputs is only supported for map-style datasets: a"
+                    " dispatched (iterable) loader keeps its setting.",
                     stacklevel=4,
                 )
                 continue

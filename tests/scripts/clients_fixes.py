@@ -9,6 +9,8 @@ For each framework and case it records what the case observes; each rank writes 
   ``load_state`` of that folder: the batches after the resume (each process resumes from its own folder).
 - ``dataset_split``: ``split_between_processes`` of a ``datasets.Dataset``, with and without padding.
 - ``join_warning``: ``join_uneven_inputs`` when the state says FSDP warns that it has no effect.
+- ``join_iterable_warning``: ``join_uneven_inputs(even_batches=False)`` with an iterable loader prepared warns that
+  the override is for map-style loaders only (HF accelerate does not join on CPU, so it warns about that instead).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import importlib.util
 import os
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -97,10 +99,27 @@ def join_warning(lib: ModuleType) -> dict[str, Any]:
     return {"warned": any("only supported for multi-GPU" in m for m in messages)}
 
 
+def join_iterable_warning(lib: ModuleType) -> dict[str, Any]:
+    accelerator = lib.Accelerator()
+    model = accelerator.prepare(torch.nn.Linear(1, 1))
+    accelerator.prepare(DataLoader(Stream(), batch_size=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([model], even_batches=False):
+            pass
+    return {"messages": [str(w.message) for w in caught if issubclass(w.category, UserWarning)]}
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.arange(3.0).unsqueeze(1))
+
+
 CASES: dict[str, Callable[[ModuleType], dict[str, Any]]] = {
     "reset": reset,
     "own_folders": own_folders,
     "join_warning": join_warning,
+    "join_iterable_warning": join_iterable_warning,
 }
 if HAS_DATASETS:
     CASES["dataset_split"] = dataset_split
