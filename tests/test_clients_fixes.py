@@ -160,3 +160,33 @@ def test_notebook_launcher_problematic_imports_message(tmp_path: Path) -> None:
     for message in messages:
         assert "Please keep these imports" in message  # what Accelerate's test_notebook.py matches
         assert "`bitsandbytes`" in message
+
+
+@pytest.mark.parametrize("unsafe", [False, True], ids=["safetensors", "bin"])
+def test_commands_merge_matches_accelerate(tmp_path: Path, unsafe: bool) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from accelerate.commands.merge import merge_command as hf_merge
+    from accelerate.commands.merge import merge_command_parser as hf_parser
+
+    from lightning_accel.commands.merge import merge_command, merge_command_parser
+
+    torch.manual_seed(0)
+    weights = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(2)}
+    shards = tmp_path / "pytorch_model_fsdp_0"
+    dcp.save({"model": weights}, checkpoint_id=shards, no_dist=True)  # the layout FSDP's sharded save_state writes
+    argv = [str(shards), "OUT", *(["--unsafe_serialization"] if unsafe else [])]
+    outputs = {}
+    for name, parser, merge in (("hf", hf_parser, hf_merge), ("ours", merge_command_parser, merge_command)):
+        args = parser().parse_args([a.replace("OUT", str(tmp_path / name)) for a in argv])
+        merge(args)
+        outputs[name] = sorted(p.name for p in (tmp_path / name).iterdir())
+    assert outputs["ours"] == outputs["hf"] == (["pytorch_model.bin"] if unsafe else ["model.safetensors"])
+    if unsafe:
+        hf, ours = (torch.load(tmp_path / n / "pytorch_model.bin", weights_only=True) for n in ("hf", "ours"))
+    else:
+        from safetensors.torch import load_file
+
+        hf, ours = (load_file(tmp_path / n / "model.safetensors") for n in ("hf", "ours"))
+    assert hf.keys() == ours.keys() == weights.keys()
+    assert all(torch.equal(ours[k], hf[k]) and torch.equal(ours[k], weights[k]) for k in weights)
