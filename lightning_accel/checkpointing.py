@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_accel._shim.loader_checkpoint import (
-    loader_positions,
     restore_loaders,
     save_loader_states,
     state_file_name,
 )
+from lightning_accel._shim.process_files import write_process_files
 from lightning_accel._shim.sharded_checkpoint import EngineCheckpoint, engine_checkpoint
 from lightning_accel.logging import get_logger
 from lightning_accel.state import PartialState
@@ -186,9 +186,7 @@ def write_state(accelerator: Accelerator, folder: Path, safe_serialization: bool
         folder.mkdir(parents=True, exist_ok=True)
         _save_shared(accelerator, folder, safe_serialization, engine is None)
     accelerator.wait_for_everyone()
-    folder.mkdir(parents=True, exist_ok=True)
-    states = {**get_rng_states(accelerator.step), **loader_positions(accelerator._dataloaders)}
-    torch.save(states, folder / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
+    write_process_files(accelerator, folder)
     accelerator.wait_for_everyone()
     accelerator.project_configuration.iteration += 1
 

@@ -80,9 +80,11 @@ def _check_fresh_parent() -> None:
         )
     imported = [name for name in _DEVICE_INITIALISING_LIBRARIES if name in sys.modules]
     if imported:
+        listed = "".join(f"\n\t* `{name}`" for name in imported)
         raise RuntimeError(
-            f"{', '.join(imported)} is imported already and has initialised the device, so forked workers cannot use "
-            "it: import it inside the launched function instead, restart the notebook and rerun"
+            "notebook_launcher cannot fork workers: libraries that initialise the device when imported are imported"
+            " already. Please keep these imports inside your training function (then restart the notebook and"
+            f" rerun):{listed}"
         )
 
 

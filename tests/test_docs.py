@@ -56,6 +56,7 @@ PUBLIC_MODULES = (
     "lightning_accel.inference",
     "lightning_accel.parallelism_config",
     "lightning_accel.cli",
+    "lightning_accel.commands",
 )
 
 # Public-looking top-level modules left out of the reference, with the reason. Any other module or package at the top

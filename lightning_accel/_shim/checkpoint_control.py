@@ -25,6 +25,7 @@ from lightning_accel._shim.checkpoint_publish import (
     rotate,
 )
 from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel._shim.process_files import write_own_folder
 from lightning_accel.checkpointing import checkpoint_folders, choose_target, write_state
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.utils.lightning_internals import fabric_forward_module
@@ -208,7 +209,9 @@ class CheckpointControl:
         each node's disk with ``save_on_each_node``); old folders are rotated out only then. See
         :mod:`lightning_accel._shim.checkpoint_publish`. With ``save_on_each_node`` on node-local disks, each node
         is first sent the files it lacks (other nodes' shards, the metadata written on the main process only), so
-        every node's folder is a whole checkpoint; see :mod:`lightning_accel.utils.node_copies`.
+        every node's folder is a whole checkpoint; see :mod:`lightning_accel.utils.node_copies`. A process that
+        names another ``output_dir`` than the main process's also gets its own random states and loader states there,
+        as Accelerate writes them (see :mod:`lightning_accel._shim.process_files`).
         """
         config = self.project_configuration
         chosen: list[Any] = [None, None]
@@ -225,6 +228,7 @@ class CheckpointControl:
         if config.save_on_each_node:  # node-local disks: each node gets the files (shards, metadata) it lacks
             complete_on_each_node(target.temporary, node_manager=self.is_local_main_process, what="save_state")
         self._on_disk_managers(lambda: publish(target), "save_state (publishing the checkpoint)")
+        write_own_folder(cast("Accelerator", self), output_dir, target.final)
         if config.automatic_checkpoint_naming:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
         return str(target.final)

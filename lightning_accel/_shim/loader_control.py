@@ -17,10 +17,26 @@ from lightning_accel._shim.parallelism import data_shards
 from lightning_accel.config import DataLoaderConfiguration
 from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
-from lightning_accel.state import PartialState
+from lightning_accel.enums import DistributedType
+from lightning_accel.state import AcceleratorState, PartialState
 from lightning_accel.utils.lightning_internals import fabric_forward_module
 
 __all__ = ["DataLoaderControl"]
+
+# The types whose processes join: Accelerate's multi-device DDP types, and multi-CPU (Accelerate does not join there).
+_DATA_PARALLEL = frozenset(
+    {
+        DistributedType.MULTI_CPU,
+        DistributedType.MULTI_GPU,
+        DistributedType.MULTI_NPU,
+        DistributedType.MULTI_MLU,
+        DistributedType.MULTI_SDAA,
+        DistributedType.MULTI_MUSA,
+        DistributedType.MULTI_XPU,
+        DistributedType.MULTI_HPU,
+        DistributedType.MULTI_NEURON,
+    }
+)
 
 
 class DataLoaderControl:
@@ -30,6 +46,7 @@ class DataLoaderControl:
     device_placement: bool
     rng_types: list[str]
     fabric: Fabric
+    state: AcceleratorState
     _dataloaders: list[DataLoaderShard]
 
     @property
@@ -126,11 +143,12 @@ class DataLoaderControl:
             TypeError: If an object cannot join (e.g. a plain optimizer), naming it.
 
         """
-        strategy = self.fabric.strategy
-        if not (isinstance(strategy, DDPStrategy) and self.fabric.world_size > 1):
-            if self.fabric.world_size > 1:
+        distributed_type = self.state.distributed_type
+        if distributed_type not in _DATA_PARALLEL or not isinstance(self.fabric.strategy, DDPStrategy):
+            if distributed_type != DistributedType.NO:
                 warnings.warn(
-                    f"join_uneven_inputs has no effect under {type(strategy).__name__}: it joins DDP processes only.",
+                    "Joining uneven inputs is only supported for multi-GPU (and, here, multi-CPU) DDP training; under"
+                    f" {distributed_type} join_uneven_inputs has no effect.",
                     stacklevel=3,
                 )
             yield
@@ -150,8 +168,8 @@ class DataLoaderControl:
         for loader in self._dataloaders:
             if isinstance(loader, DataLoaderDispatcher):
                 warnings.warn(
-                    "join_uneven_inputs(even_batches=...) changes map-style loaders only; a dispatched loader keeps"
-                    " its setting.",
+                    "Overriding even_batches in join_uneven_inputs is only supported for map-style datasets: a"
+                    " dispatched (iterable) loader keeps its setting.",
                     stacklevel=4,
                 )
                 continue

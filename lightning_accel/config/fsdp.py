@@ -382,6 +382,23 @@ class FullyShardedDataParallelPlugin:
             return CPUOffload(offload_params=self.cpu_offload)
         return CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
 
+    def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
+        """Replace a named ``auto_wrap_policy`` with torch's policy callable for ``model`` (Accelerate's method).
+
+        ``transformer_based_wrap`` without ``transformer_cls_names_to_wrap`` takes the model's ``_no_split_modules``
+        (recorded in ``transformer_cls_names_to_wrap``); ``size_based_wrap`` with ``min_num_params == 0`` becomes
+        ``None`` (no wrapping). A callable or ``None`` is kept. See :meth:`build_auto_wrap_policy`.
+
+        Raises:
+            ValueError: If a class name to wrap is not found in ``model``.
+
+        """
+        if not isinstance(self.auto_wrap_policy, str):
+            return
+        if self.auto_wrap_policy == "transformer_based_wrap" and self.transformer_cls_names_to_wrap is None:
+            self.transformer_cls_names_to_wrap = list(getattr(model, "_no_split_modules", None) or [])
+        self.auto_wrap_policy = self.build_auto_wrap_policy(model)
+
     def build_auto_wrap_policy(self, model: torch.nn.Module) -> Callable[..., Any] | None:
         """Return a torch auto-wrap policy callable for ``model``, or ``None`` for no wrapping.
 

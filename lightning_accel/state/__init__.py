@@ -378,6 +378,39 @@ class AcceleratorState(PartialState):
         """Whether ``debug_launcher``/``notebook_launcher`` started this process (it owns the process group)."""
         return bool(PartialState().fork_launched)
 
+    # The process questions are PartialState's, so they keep their answers after ``AcceleratorState._reset_state()``
+    # (as in Accelerate, whose AcceleratorState asks a ``PartialState()`` for them).
+    @property
+    @override
+    def use_distributed(self) -> bool:
+        """Whether more than one process takes part (:class:`PartialState`'s answer)."""
+        return PartialState().use_distributed
+
+    @property
+    @override
+    def is_main_process(self) -> bool:
+        """Whether this is the global main process (:class:`PartialState`'s answer)."""
+        return PartialState().is_main_process
+
+    @property
+    @override
+    def is_local_main_process(self) -> bool:
+        """Whether this is the main process of its node (:class:`PartialState`'s answer)."""
+        return PartialState().is_local_main_process
+
+    @property
+    @override
+    def is_last_process(self) -> bool:
+        """Whether this is the process with the highest rank (:class:`PartialState`'s answer)."""
+        return PartialState().is_last_process
+
+    @override
+    @contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Generator[Any, None, None]:
+        """:meth:`PartialState.split_between_processes` (it works after this state was reset)."""
+        with PartialState().split_between_processes(inputs, apply_padding=apply_padding) as share:
+            yield share
+
     @override
     def destroy_process_group(self, group: dist.ProcessGroup | None = None) -> None:
         """:meth:`PartialState.destroy_process_group` (it works after this state was reset, as in Accelerate)."""
@@ -465,16 +498,26 @@ def _split_length(inputs: Any) -> int:
         if len(set(lengths.values())) > 1:
             raise ValueError(f"split_between_processes needs dict values of one length, got lengths {lengths}.")
         return next(iter(lengths.values()), 0)
-    if isinstance(inputs, (list, tuple, torch.Tensor)):
+    if isinstance(inputs, (list, tuple, torch.Tensor)) or _is_hf_dataset(inputs):
         return len(inputs)
     raise TypeError(
-        f"split_between_processes splits lists, tuples, tensors and dicts of them, got {type(inputs).__name__}."
+        "split_between_processes splits lists, tuples, tensors, dicts of them and `datasets.Dataset`s, got"
+        f" {type(inputs).__name__}."
     )
+
+
+def _is_hf_dataset(inputs: Any) -> bool:
+    """Whether ``inputs`` is a Hugging Face ``datasets.Dataset`` (imported already wherever one exists)."""
+    datasets = sys.modules.get("datasets")
+    return datasets is not None and isinstance(inputs, getattr(datasets, "Dataset", ()))
 
 
 def _take(inputs: Any, start: int, stop: int, width: int) -> Any:
     if isinstance(inputs, dict):
         return {key: _take(value, start, stop, width) for key, value in inputs.items()}
+    if _is_hf_dataset(inputs):  # its rows, selected; padding repeats the last row, as for a list
+        rows = list(range(min(start, len(inputs)), min(stop, len(inputs))))
+        return inputs.select(rows + [len(inputs) - 1] * max(0, width - len(rows)))
     share = inputs[start:stop]
     missing = width - len(share)
     if missing <= 0 or len(inputs) == 0:
