@@ -36,7 +36,7 @@ class DVCLiveTracker(GeneralTracker):
 
     def __init__(self, run_name: str | None = None, live: Any | None = None, **kwargs: Any) -> None:
         del run_name
-        self.live = live
+        self.live: Any = live
         self.init_kwargs = kwargs
 
     @override
