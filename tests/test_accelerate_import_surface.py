@@ -1,13 +1,12 @@
 """Accelerate's import surface in lightning_accel, checked against HF accelerate 1.15 on the same inputs.
 
-Availability checks, version and truth-word parsing, the launcher's environment, the tensor helpers, the unimplemented
-trackers and the config re-exports (the data loaders and launchers are in test_accelerate_loaders_launchers.py).
+Availability checks, version and truth-word parsing, the launcher's environment, the tensor helpers, the tracker
+signatures and the config re-exports (the data loaders and launchers are in test_accelerate_loaders_launchers.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import subprocess
@@ -406,23 +405,6 @@ def test_one_process_broadcast_returns_any_data_as_hf() -> None:
 
 
 # ---- trackers and config ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", ["AimTracker", "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker", "TrackioTracker"])
-def test_unimplemented_trackers_explain_themselves(name: str) -> None:
-    import lightning_accel.tracking as tracking
-
-    cls = getattr(tracking, name)
-    assert issubclass(cls, tracking.GeneralTracker) and cls.name
-    args = ("run", "logs") if cls.requires_logging_directory else ("run",)  # Accelerate's signatures
-    if importlib.util.find_spec(cls.package) is None:
-        with pytest.raises(ImportError, match=f"pip install .*{cls.package}"):
-            cls(*args)
-    with (
-        mock.patch("importlib.util.find_spec", return_value=object()),
-        pytest.raises(NotImplementedError, match="not implemented in lightning_accel"),
-    ):
-        cls(*args)
 
 
 def test_registered_tracker_must_declare_its_logging_directory_need() -> None:

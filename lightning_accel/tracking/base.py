@@ -7,9 +7,11 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
+import torch
+
 from lightning_accel.state import PartialState
 
-__all__ = ["GeneralTracker", "import_tracker_package", "on_main_process"]
+__all__ = ["GeneralTracker", "as_python_scalar", "import_tracker_package", "on_main_process"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -41,6 +43,13 @@ def import_tracker_package(module: str, install: str) -> Any:
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
         raise ImportError(f"This tracker needs the {module!r} package: {install}") from err
+
+
+def as_python_scalar(value: Any) -> Any:
+    """A one-element tensor as its Python number (what tracker packages accept); any other value unchanged."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
 
 
 class GeneralTracker:

@@ -1,6 +1,7 @@
 """Tracker names: the built-in table, registration of custom classes, and ``log_with`` resolution.
 
-A built-in tracker is available when its package can be found (``importlib.util.find_spec``: nothing is imported).
+A built-in tracker is available when its package can be found (``importlib.util.find_spec`` and, for the five
+checked by ``lightning_accel.utils.imports``, its installed distribution, Aim's below 4.0): nothing is imported.
 Unlike Accelerate, which drops a named tracker whose package is missing (with a debug message), naming one raises
 an ``ImportError`` with the install command; ``"all"`` takes the built-in trackers whose packages are installed,
 as Accelerate does.
@@ -10,15 +11,27 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_accel.enums import LoggerType
+from lightning_accel.tracking.aim import AIM_INSTALL, AimTracker
 from lightning_accel.tracking.base import GeneralTracker
+from lightning_accel.tracking.clearml import CLEARML_INSTALL, ClearMLTracker
 from lightning_accel.tracking.comet import COMET_INSTALL, CometMLTracker
+from lightning_accel.tracking.dvclive import DVCLIVE_INSTALL, DVCLiveTracker
 from lightning_accel.tracking.mlflow import MLFLOW_INSTALL, MLflowTracker
+from lightning_accel.tracking.swanlab import SWANLAB_INSTALL, SwanLabTracker
 from lightning_accel.tracking.tensorboard import TensorBoardTracker
+from lightning_accel.tracking.trackio import TRACKIO_INSTALL, TrackioTracker
 from lightning_accel.tracking.wandb import WANDB_INSTALL, WandBTracker
+from lightning_accel.utils.imports import (
+    is_aim_available,
+    is_clearml_available,
+    is_dvclive_available,
+    is_swanlab_available,
+    is_trackio_available,
+)
 
 __all__ = [
     "LOGGER_TYPE_TO_CLASS",
@@ -33,22 +46,37 @@ LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
     "tensorboard": TensorBoardTracker,
     "wandb": WandBTracker,
     "comet_ml": CometMLTracker,
+    "aim": AimTracker,
     "mlflow": MLflowTracker,
+    "clearml": ClearMLTracker,
+    "dvclive": DVCLiveTracker,
+    "swanlab": SwanLabTracker,
+    "trackio": TrackioTracker,
 }
 
-# Built-in name -> (modules, any of which makes it available; the install command).
-_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
-    "tensorboard": (("tensorboard", "tensorboardX"), "pip install tensorboard"),
-    "wandb": (("wandb",), WANDB_INSTALL),
-    "comet_ml": (("comet_ml",), COMET_INSTALL),
-    "mlflow": (("mlflow",), MLFLOW_INSTALL),
+
+def _any_module(*modules: str) -> Callable[[], bool]:
+    return lambda: any(importlib.util.find_spec(module) is not None for module in modules)
+
+
+# Built-in name -> (whether its package is usable here, the install command), in Accelerate's order for "all".
+_PACKAGES: dict[str, tuple[Callable[[], bool], str]] = {
+    "tensorboard": (_any_module("tensorboard", "tensorboardX"), "pip install tensorboard"),
+    "wandb": (_any_module("wandb"), WANDB_INSTALL),
+    "comet_ml": (_any_module("comet_ml"), COMET_INSTALL),
+    "aim": (is_aim_available, AIM_INSTALL),  # 3.x only: Aim 4 has another API
+    "mlflow": (_any_module("mlflow"), MLFLOW_INSTALL),
+    "clearml": (is_clearml_available, CLEARML_INSTALL),
+    "dvclive": (is_dvclive_available, DVCLIVE_INSTALL),
+    "swanlab": (is_swanlab_available, SWANLAB_INSTALL),
+    "trackio": (is_trackio_available, TRACKIO_INSTALL),
 }
 _BUILT_IN = tuple(_PACKAGES)
 
 
 def _installed(name: str) -> bool:
-    modules, _ = _PACKAGES[name]
-    return any(importlib.util.find_spec(module) is not None for module in modules)
+    available, _ = _PACKAGES[name]
+    return available()
 
 
 def get_available_trackers() -> list[str]:
@@ -100,11 +128,6 @@ def _check_name(item: Any) -> str:
         if name in _PACKAGES and not _installed(name):
             raise ImportError(f"log_with={name!r} needs its package: {_PACKAGES[name][1]}")
         return name
-    if name in LoggerType:
-        raise ValueError(
-            f"Tracker {name!r} is not supported by lightning_accel; use one of {supported}, 'all', or a GeneralTracker"
-            " (object, or class registered with register_tracker_class)."
-        )
     raise ValueError(f"Unknown tracker {item!r}; use one of {supported}, 'all', or a GeneralTracker.")
 
 

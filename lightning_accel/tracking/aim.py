@@ -1,0 +1,100 @@
+"""Aim (``log_with="aim"``), on the ``aim`` package's 3.x ``Run`` (a local repository under ``logging_dir``).
+
+As in Accelerate, the run is ``aim.Run(repo=logging_dir, **init_kwargs["aim"])`` named after ``project_name``, the
+configuration is the run's ``"hparams"`` attribute and each logged value is one ``Run.track`` call at the given step.
+Aim needs no server or network: the repository is files (RocksDB chunks) that ``aim.Repo`` reads back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_accel.tracking.base import GeneralTracker, as_python_scalar, import_tracker_package, on_main_process
+
+__all__ = ["AIM_INSTALL", "AimTracker"]
+
+AIM_INSTALL = "pip install 'aim<4'  (the 3.x API)"
+
+
+def _aim() -> Any:
+    return import_tracker_package("aim", AIM_INSTALL)
+
+
+class AimTracker(GeneralTracker):
+    """An Aim run in the repository at ``logging_dir``: ``aim.Run(repo=logging_dir, **kwargs)``.
+
+    Args:
+        run_name: The project name given to ``init_trackers``; it becomes the run's name.
+        logging_dir: The Aim repository (the Accelerator passes its logging directory); a ``repo`` keyword wins.
+        **kwargs: Passed to ``aim.Run`` (``init_kwargs={"aim": {...}}``): ``experiment``,
+            ``system_tracking_interval``, ...
+
+    """
+
+    name = "aim"
+    requires_logging_directory = True
+
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str] | None = ".", **kwargs: Any) -> None:
+        self.run_name = run_name
+        self.aim_repo_path = kwargs.pop("repo", logging_dir)
+        self.init_kwargs = kwargs
+        self.writer: Any = None
+
+    @override
+    @on_main_process
+    def start(self) -> None:
+        repo = None if self.aim_repo_path is None else str(self.aim_repo_path)
+        self.writer = _aim().Run(repo=repo, **self.init_kwargs)
+        self.writer.name = self.run_name
+
+    @property
+    @override
+    def tracker(self) -> Any:
+        """The ``aim.Run``."""
+        return self.writer
+
+    @override
+    @on_main_process
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """Store ``values`` as the run's ``"hparams"`` attribute."""
+        self.writer["hparams"] = dict(values)
+
+    @override
+    @on_main_process
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """One ``Run.track(value, name=key, step=step, **kwargs)`` per value.
+
+        Aim takes numbers (one-element tensors are turned into them) and Aim objects such as ``aim.Text``; it raises
+        ``ValueError`` for anything else.
+        """
+        for key, value in values.items():
+            self.writer.track(as_python_scalar(value), name=key, step=step, **kwargs)
+
+    @on_main_process
+    def log_images(
+        self, values: Mapping[str, Any], step: int | None = None, kwargs: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        """Track each value, an image or an ``(image, caption)`` pair, as an ``aim.Image``.
+
+        Args:
+            values: Key to a numpy array or PIL image, or a pair of one and its caption.
+            step: The step of every image.
+            kwargs: Accelerate's layout: ``{"aim_image": {...}}`` for ``aim.Image``, ``{"track": {...}}`` for
+                ``Run.track``.
+
+        """
+        aim = _aim()
+        image_kwargs = dict((kwargs or {}).get("aim_image", {}))
+        track_kwargs = dict((kwargs or {}).get("track", {}))
+        for key, value in values.items():
+            image, caption = value if isinstance(value, tuple) else (value, "")
+            self.writer.track(aim.Image(image, caption=caption, **image_kwargs), name=key, step=step, **track_kwargs)
+
+    @override
+    @on_main_process
+    def finish(self) -> None:
+        self.writer.close()

@@ -1,0 +1,89 @@
+"""SwanLab (``log_with="swanlab"``), on the ``swanlab`` package (``swanlab.init`` and its ``Run``).
+
+As in Accelerate: the project is ``init_trackers``' ``project_name``, the run's config gets a ``FRAMEWORK`` entry
+(here ``"lightning_accel"``; Accelerate writes its own name), ``log`` is ``Run.log(values, step=step)`` and images
+are lists of ``swanlab.Image``. The configuration is merged with ``swanlab.config.update``; Accelerate also passes
+``allow_val_change=True``, which SwanLab 0.10 stores as one more config entry, so it is passed only to a SwanLab
+whose ``update`` has that parameter. Offline: ``mode="offline"`` (or ``SWANLAB_MODE=offline``) writes the run under
+``log_dir`` (``SWANLAB_LOG_DIR``) for a later ``swanlab sync``; ``mode="local"`` keeps it local for good.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_accel.tracking.base import GeneralTracker, as_python_scalar, import_tracker_package, on_main_process
+
+__all__ = ["SWANLAB_INSTALL", "SwanLabTracker"]
+
+SWANLAB_INSTALL = "pip install swanlab"
+
+FRAMEWORK = "lightning_accel"
+
+
+def _swanlab() -> Any:
+    return import_tracker_package("swanlab", SWANLAB_INSTALL)
+
+
+class SwanLabTracker(GeneralTracker):
+    """A SwanLab run: ``swanlab.init(project=run_name, **kwargs)``.
+
+    Args:
+        run_name: The project name given to ``init_trackers`` (SwanLab's ``project``).
+        **kwargs: Passed to ``swanlab.init`` (``init_kwargs={"swanlab": {...}}``): ``name``, ``mode``, ``log_dir``...
+
+    """
+
+    name = "swanlab"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        self.run_name = run_name
+        self.init_kwargs = kwargs
+        self.run: Any = None
+
+    @override
+    @on_main_process
+    def start(self) -> None:
+        swanlab = _swanlab()
+        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
+        swanlab.config["FRAMEWORK"] = FRAMEWORK
+
+    @property
+    @override
+    def tracker(self) -> Any:
+        """The SwanLab run."""
+        return self.run
+
+    @override
+    @on_main_process
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """Merge ``values`` into the run's config (values may change, as in Accelerate)."""
+        config = _swanlab().config
+        if "allow_val_change" in inspect.signature(config.update).parameters:
+            config.update(dict(values), allow_val_change=True)
+        else:
+            config.update(dict(values))
+
+    @override
+    @on_main_process
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """``Run.log(values, step=step, **kwargs)`` (one-element tensors as numbers)."""
+        self.run.log({key: as_python_scalar(value) for key, value in values.items()}, step=step, **kwargs)
+
+    @on_main_process
+    def log_images(self, values: Mapping[str, Sequence[Any]], step: int | None = None, **kwargs: Any) -> None:
+        """Log each key's images (numpy arrays or PIL images) as a list of ``swanlab.Image``, one call per key."""
+        swanlab = _swanlab()
+        for key, images in values.items():
+            self.log({key: [swanlab.Image(image) for image in images]}, step=step, **kwargs)
+
+    @override
+    @on_main_process
+    def finish(self) -> None:
+        self.run.finish()

@@ -1,0 +1,69 @@
+"""Trackio (``log_with="trackio"``), on the ``trackio`` package (``trackio.init`` and its ``Run``).
+
+As in Accelerate: the project is ``init_trackers``' ``project_name`` and ``log`` is ``Run.log(values, step=step)``.
+Trackio writes each project to a local SQLite database (under ``TRACKIO_DIR``) unless ``space_id``/``server_url``
+point it at a server. The configuration is merged into the run's config before its first ``log``; Accelerate calls
+``trackio.config.update(values, allow_val_change=True)``, and as Trackio's config is a plain dict that also stores
+an ``allow_val_change`` entry, which this tracker does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_accel.tracking.base import GeneralTracker, as_python_scalar, import_tracker_package, on_main_process
+
+__all__ = ["TRACKIO_INSTALL", "TrackioTracker"]
+
+TRACKIO_INSTALL = "pip install trackio"
+
+
+class TrackioTracker(GeneralTracker):
+    """A Trackio run: ``trackio.init(project=run_name, **kwargs)``.
+
+    Args:
+        run_name: The project name given to ``init_trackers`` (Trackio's ``project``).
+        **kwargs: Passed to ``trackio.init`` (``init_kwargs={"trackio": {...}}``): ``name``, ``group``,
+            ``space_id``, ``auto_log_cpu``...
+
+    """
+
+    name = "trackio"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        self.run_name = run_name
+        self.init_kwargs = kwargs
+        self.run: Any = None
+
+    @override
+    @on_main_process
+    def start(self) -> None:
+        self.run = import_tracker_package("trackio", TRACKIO_INSTALL).init(project=self.run_name, **self.init_kwargs)
+
+    @property
+    @override
+    def tracker(self) -> Any:
+        """The Trackio run."""
+        return self.run
+
+    @override
+    @on_main_process
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """Merge ``values`` into the run's config (recorded with the run's first ``log``)."""
+        self.run.config.update(dict(values))
+
+    @override
+    @on_main_process
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """``Run.log(values, step=step, **kwargs)`` (one-element tensors as numbers)."""
+        self.run.log({key: as_python_scalar(value) for key, value in values.items()}, step=step, **kwargs)
+
+    @override
+    @on_main_process
+    def finish(self) -> None:
+        self.run.finish()
