@@ -137,6 +137,7 @@ class AccelerateConfig:
         self._check_processes()
         self._check_deepspeed_file()
         self._check_fsdp()
+        self._check_foreign_plugin_sections()
         self._check_active_plugin()
         self._check_parallelism()
 
@@ -203,6 +204,18 @@ class AccelerateConfig:
             raise ValueError(
                 "fsdp_config.fsdp_cpu_ram_efficient_loading: true needs fsdp_config.fsdp_sync_module_states: true "
                 "with fsdp_version 1 (rank 0 loads the weights and broadcasts them)"
+            )
+
+    def _check_foreign_plugin_sections(self) -> None:
+        """Refuse a filled plugin section of another distributed type: launching would silently ignore it."""
+        for distributed_type, entry in PLUGIN_BY_TYPE.items():
+            section = getattr(self, entry.section)
+            if distributed_type == self.distributed_type or not section:
+                continue
+            raise ValueError(
+                f"{entry.section} is set ({sorted(section)}) but distributed_type is {self.distributed_type.value}, "
+                f"which ignores it; remove {entry.section} from the file, or set distributed_type: "
+                f"{distributed_type.value} if you meant to use it (the file was perhaps written for another setup)"
             )
 
     def _check_active_plugin(self) -> None:
