@@ -367,10 +367,14 @@ def dispatch_model(
         force_hooks: Attach the hooks even when the map has a single device.
 
     Raises:
-        ValueError: When the map misses some of the model's tensors, or has ``"disk"`` blocks but no folder or index.
+        ValueError: When the map names something the model lacks or a device this machine lacks, misses some of the
+            model's tensors, or has ``"disk"`` blocks but no folder or index.
 
     """
     check_device_map(model, device_map)
+    for device in dict.fromkeys(device_map.values()):  # every device exists, before anything moves
+        if device != "disk":
+            resolve_device(device)
     force_hooks = force_hooks or _needs_hooks_for_bitsandbytes(model)
     devices = list(dict.fromkeys(device_map.values()))
     if len(devices) == 1 and "disk" not in devices and not force_hooks:
