@@ -31,6 +31,6 @@ def read_checkpoint_file(path: P, reader: Callable[[P], T]) -> T:
         raise
     except Exception as err:
         raise ValueError(
-            f"Could not read checkpoint file {os.fspath(path)}: {err}. The file may be truncated or corrupt (a save "
-            "that was interrupted, a partial copy) or not a checkpoint; point to an intact checkpoint."
+            f"Could not read checkpoint file {path}: {str(err).rstrip('.')}. The file may be truncated or corrupt "
+            "(a save that was interrupted, a partial copy) or not a checkpoint; point to an intact checkpoint."
         ) from err
