@@ -90,6 +90,7 @@ def restore_loaders(
     """
     state = PartialState()
     own_file = source / f"{RNG_STATE_NAME}_{state.process_index}.pkl"
+    record: Mapping[str, Any]
     record, file = (rng_states, own_file) if rng_states is not None else _first_process_record(source, read)
     saved_processes = record.get(_NUM_PROCESSES)
     other_world = saved_processes is not None and saved_processes != state.num_processes
@@ -112,7 +113,7 @@ def restore_loaders(
             position = _checked_position(index, loader, positions[index] if positions else 0, saved_length, file)
             loader.resume_position = position
             loader.resume_rng_states = dict(record) if position else None
-    if other_world and loaders:
+    if other_world and loaders and saved_processes is not None:
         _warn_other_world(source, saved_processes, state.num_processes, epochs)
 
 
