@@ -109,3 +109,20 @@ def test_the_same_loader_resumes_at_its_position(tmp_path: Path) -> None:
         accelerator.load_state(tmp_path / "ckpt")
     assert [x[0].tolist() for x in data] == [[[4.0 * i, 4.0 * i + 1], [4.0 * i + 2, 4.0 * i + 3]] for i in range(3, 8)]
     reset_accelerator_states()
+
+
+def test_the_offline_checkpoint_readers_name_a_truncated_file(tmp_path: Path) -> None:
+    """``load_full_state_dict`` and the DeepSpeed consolidation read with torch: its error names no file."""
+    from lightning_accel.utils import load_full_state_dict
+    from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
+
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": torch.nn.Linear(2, 2).state_dict()}, ckpt)
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"Could not read checkpoint file {ckpt}: .*truncated or corrupt"):
+        load_full_state_dict(ckpt)
+    deepspeed_dir = tmp_path / "ds"
+    deepspeed_dir.mkdir()
+    (deepspeed_dir / "pytorch_model.bin").write_bytes(ckpt.read_bytes())
+    with pytest.raises(ValueError, match=rf"Could not read checkpoint file {deepspeed_dir / 'pytorch_model.bin'}"):
+        consolidate_deepspeed_checkpoint(deepspeed_dir)
