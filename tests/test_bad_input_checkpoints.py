@@ -126,3 +126,31 @@ def test_the_offline_checkpoint_readers_name_a_truncated_file(tmp_path: Path) ->
     (deepspeed_dir / "pytorch_model.bin").write_bytes(ckpt.read_bytes())
     with pytest.raises(ValueError, match=rf"Could not read checkpoint file {deepspeed_dir / 'pytorch_model.bin'}"):
         consolidate_deepspeed_checkpoint(deepspeed_dir)
+
+
+def test_a_save_model_that_fails_midway_leaves_the_previous_save_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second shard's write fails (as a full disk or a kill would end it): nothing of the last save is lost."""
+    import safetensors.torch
+
+    from lightning_accel.checkpointing import save_model
+
+    state = {f"layer{i}.weight": torch.full((256,), float(i)) for i in range(3)}
+    save_model(state, tmp_path, max_shard_size="1KB")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert len(before) == 4  # three shards and the index
+    real_save_file, calls = safetensors.torch.save_file, []
+
+    def failing_second_write(*args: object, **kwargs: object) -> None:
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_save_file(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_second_write)
+    changed = {name: tensor + 1 for name, tensor in state.items()}
+    with pytest.raises(OSError, match="No space left"):
+        save_model(changed, tmp_path, max_shard_size="1KB")
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.name.endswith(".partial")}
+    assert after == before

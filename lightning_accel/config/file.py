@@ -285,10 +285,10 @@ class AccelerateConfig:
         """Write the file: JSON when ``path`` ends in ``.json``, YAML otherwise; returns the path."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.suffix == ".json":
-            target.write_text(_json_text(self), encoding="utf-8")
-        else:
-            target.write_text(yaml.safe_dump(self.to_dict()), encoding="utf-8")
+        text = _json_text(self) if target.suffix == ".json" else yaml.safe_dump(self.to_dict())
+        temporary = target.with_name(f".{target.name}.partial")  # an existing file is replaced only when complete
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, target)
         return target
 
     def settings(self) -> dict[str, Any]:
