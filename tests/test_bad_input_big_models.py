@@ -149,3 +149,22 @@ def test_a_truncated_checkpoint_file_is_refused_naming_it(tmp_path: Path, name: 
         model = Net()
     with pytest.raises(ValueError, match=rf"Could not read checkpoint file {path}"):
         load_checkpoint_in_model(model, path, device_map={"body": "cpu", "head": "cpu"})
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 3, reason="needs a machine without a cuda:3")
+def test_offloading_to_an_absent_execution_device_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    model = Net()
+    for offload in (
+        lambda: lightning_accel.cpu_offload(model, execution_device="cuda:3"),
+        lambda: lightning_accel.cpu_offload_with_hook(model, execution_device="cuda:3"),
+        lambda: lightning_accel.disk_offload(model, tmp_path / "offload", execution_device="cuda:3"),
+        lambda: dispatch_model(model, {"body": "cpu", "head": "disk"}, main_device="cuda:3", offload_dir=tmp_path),
+    ):
+        with pytest.raises(ValueError, match=r"Device 'cuda:3' does not exist on this machine"):
+            offload()
+    assert not (tmp_path / "offload").exists()
+    assert model.head.weight.device.type == "cpu"
+    with lightning_accel.init_on_device("cpu"):
+        pass
+    with pytest.raises(ValueError, match=r"Device 'cuda:3' does not exist"), lightning_accel.init_on_device("cuda:3"):
+        pass
