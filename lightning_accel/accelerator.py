@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim import fabric as _fabric
+from lightning_accel._shim import module as _module
 from lightning_accel._shim import parallelism as _parallelism
 from lightning_accel._shim.arguments import (
     check_arguments,
@@ -293,6 +294,7 @@ class Accelerator(
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
+        _module.reuse_prepared(objects, self._models)  # a module prepared before gets the wrapper it got then
         models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not isinstance(obj, _FabricModule)]
         optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
         for i in models:
@@ -402,6 +404,7 @@ class Accelerator(
         Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
         With a LOMO optimizer prepared, ``learning_rate=`` runs its fused backward (:meth:`lomo_backward`).
         """
+        _module.check_backward_after_prepare(self._models)
         steps = self.gradient_state.num_steps
         if kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
@@ -426,12 +429,13 @@ class Accelerator(
     @contextmanager
     def accumulate(self, *models: Module) -> Generator[None, None, None]:
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
+        prepared = _module.prepared_models(models, self._models)  # refuses a model prepare never saw
         self._do_sync()
         if self.sync_gradients or self._syncs_each_batch():
             yield
             return
         with ExitStack() as stack:
-            for model in models:
+            for model in prepared:
                 stack.enter_context(self.no_sync(model))
             yield
 

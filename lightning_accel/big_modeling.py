@@ -177,9 +177,16 @@ def cpu_offload(
         ``model``.
 
     """
+    _check_execution_device(execution_device)
     if state_dict is None:
         state_dict = {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
     return _attach_offload_hooks(model, execution_device, offload_buffers, state_dict, preload_module_classes)
+
+
+def _check_execution_device(device: DeviceLike | None) -> None:
+    """Refuse a device this machine lacks before anything is copied or written (not at the first forward)."""
+    if device is not None:
+        resolve_device(device)
 
 
 def _attach_offload_hooks(
@@ -224,6 +231,7 @@ def cpu_offload_with_hook(
         ``model`` and its :class:`~lightning_accel.hooks.UserCpuOffloadHook`.
 
     """
+    _check_execution_device(execution_device)
     hook = CpuOffload(execution_device=execution_device, prev_module_hook=prev_module_hook)
     add_hook_to_module(model, hook, append=True)
     return model, UserCpuOffloadHook(model, hook)
@@ -255,6 +263,7 @@ def disk_offload(
         ``model``.
 
     """
+    _check_execution_device(execution_device)
     if not _has_offload_index(offload_dir):
         offload_state_dict(offload_dir, model.state_dict())
     weights_map = OffloadedWeightsLoader(save_folder=offload_dir)
@@ -367,10 +376,14 @@ def dispatch_model(
         force_hooks: Attach the hooks even when the map has a single device.
 
     Raises:
-        ValueError: When the map misses some of the model's tensors, or has ``"disk"`` blocks but no folder or index.
+        ValueError: When the map names something the model lacks or a device this machine lacks, misses some of the
+            model's tensors, or has ``"disk"`` blocks but no folder or index.
 
     """
     check_device_map(model, device_map)
+    for device in dict.fromkeys([*device_map.values(), main_device]):  # every device exists, before anything moves
+        if device not in ("disk", None):
+            resolve_device(device)
     force_hooks = force_hooks or _needs_hooks_for_bitsandbytes(model)
     devices = list(dict.fromkeys(device_map.values()))
     if len(devices) == 1 and "disk" not in devices and not force_hooks:

@@ -103,7 +103,8 @@ def test_launch_plan_for_one_machine_lets_torchrun_pick_the_port() -> None:
 
 
 def test_launch_plan_for_several_machines() -> None:
-    args, env = _launch_plan("--config_file", "multi_node.yaml", "--machine_rank", "0", "train.py")
+    with mock.patch("lightning_accel.cli.launch._local_device_count", return_value=8):  # an 8-GPU machine
+        args, env = _launch_plan("--config_file", "multi_node.yaml", "--machine_rank", "0", "train.py")
     assert args == [
         "--nnodes", "2", "--nproc_per_node", "8", "--node_rank", "0", "--rdzv_backend", "c10d",
         "--rdzv_endpoint", "10.0.0.1:29555", "train.py",
@@ -125,7 +126,8 @@ def test_command_line_wins_over_the_file() -> None:
     argv = ["launch", "--config_file", "fsdp2_cpu.yaml", "--mixed_precision", "bf16", "--fsdp_version", "1", "t.py"]
     settings = launch_settings(_build_parser().parse_args(argv))
     assert (settings["mixed_precision"], settings["fsdp_version"]) == ("bf16", 1)
-    _, env = _launch_plan("--config_file", "multi_gpu.yaml", "--gpu_ids", "2,3", "--num_processes", "2", "t.py")
+    with mock.patch("lightning_accel.cli.launch._local_device_count", return_value=4):  # a 4-GPU machine
+        _, env = _launch_plan("--config_file", "multi_gpu.yaml", "--gpu_ids", "2,3", "--num_processes", "2", "t.py")
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     _, env = _launch_plan("--config_file", "multi_cpu.yaml", "--use_fsdp", "--fsdp_offload_params", "yes", "t.py")
     assert (env["ACCELERATE_USE_FSDP"], env["FSDP_OFFLOAD_PARAMS"]) == ("true", "true")

@@ -9,10 +9,17 @@ Two records, each read back exactly once per loader so that nothing is skipped t
 - Our keys in ``random_states_{rank}.pkl`` (Accelerate ignores unknown keys): each loader's epoch and the batches of
   it already handed out. The epoch is always restored (Accelerate restores none, and replays epoch 0's order); the
   position only for loaders that have no ``dl_state_dict`` file to resume from.
+
+The same file records what the positions are checked against on load: the number of processes and each loader's
+length (batches per epoch on each process). A position belongs to one world size and one loader: saved by another
+number of processes, the epoch is restored but not the position within it (nor a ``dl_state_dict`` file), with a
+warning naming both counts; a position past the loader's end is refused, naming the file. Folders without the record
+(HF accelerate's, older ones) are loaded as before.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,12 +27,16 @@ from typing import Any
 import torch
 
 from lightning_accel._shim.data_loaders import DataLoaderShard
+from lightning_accel.state import PartialState
+from lightning_accel.utils.constants import RNG_STATE_NAME
 
 __all__ = ["loader_positions", "restore_loaders", "save_loader_states", "state_file_name"]
 
 _EPOCHS = "dataloader_iterations"
 _POSITIONS = "dataloader_positions"  # batches of that epoch already handed out
 _FINISHED = "_iterator_finished"  # set in a stateful loader's state when its last batch was handed out
+_LENGTHS = "dataloader_lengths"  # batches per epoch on each process, when saved
+_NUM_PROCESSES = "num_processes"  # processes of the run that saved
 
 
 def state_file_name(index: int) -> str:
@@ -40,9 +51,21 @@ def save_loader_states(loaders: Sequence[DataLoaderShard], target: Path) -> None
             torch.save(loader.state_dict(), target / state_file_name(index))
 
 
-def loader_positions(loaders: Sequence[DataLoaderShard]) -> dict[str, list[int]]:
-    """Our keys of ``random_states_{rank}.pkl``: each loader's epoch and position."""
-    return {_EPOCHS: [loader.iteration for loader in loaders], _POSITIONS: [loader.position for loader in loaders]}
+def loader_positions(loaders: Sequence[DataLoaderShard]) -> dict[str, Any]:
+    """Our keys of ``random_states_{rank}.pkl``: each loader's epoch, position and length, and the process count."""
+    return {
+        _EPOCHS: [loader.iteration for loader in loaders],
+        _POSITIONS: [loader.position for loader in loaders],
+        _LENGTHS: [_length(loader) for loader in loaders],
+        _NUM_PROCESSES: PartialState().num_processes,
+    }
+
+
+def _length(loader: DataLoaderShard) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # an iterable dataset without a length
+        return None
 
 
 def restore_loaders(
@@ -56,24 +79,88 @@ def restore_loaders(
     Args:
         loaders: The prepared loaders, in prepare order.
         source: The checkpoint folder.
-        rng_states: This process's ``random_states_{rank}.pkl`` content, or ``None`` when it is missing.
+        rng_states: This process's ``random_states_{rank}.pkl`` content, or ``None`` when it is missing (then the
+            epochs are read from process 0's file, so every process starts the same epoch).
         read: Reads a checkpoint file (and names it in the error if it cannot).
 
+    Raises:
+        ValueError: If a recorded position lies past its loader's end (the file is from another run), naming the
+            position, the length and the file.
+
     """
-    epochs, positions = _recorded(rng_states or {}, len(loaders))
+    state = PartialState()
+    own_file = source / f"{RNG_STATE_NAME}_{state.process_index}.pkl"
+    record: Mapping[str, Any]
+    record, file = (rng_states, own_file) if rng_states is not None else _first_process_record(source, read)
+    saved_processes = record.get(_NUM_PROCESSES)
+    other_world = saved_processes is not None and saved_processes != state.num_processes
+    epochs, positions = _recorded(record, len(loaders))
+    if other_world or rng_states is None:
+        positions = None  # batches of one process's shard: they mean nothing to another world size
+    lengths = record.get(_LENGTHS)
     for index, loader in enumerate(loaders):
         state_file = source / state_file_name(index)
-        if loader.use_stateful_dataloader and state_file.is_file():
-            state = read(state_file)
-            loader.load_state_dict(state)  # resumes mid-epoch by itself: no position skip on top
+        if loader.use_stateful_dataloader and state_file.is_file() and not other_world:
+            loaded = read(state_file)
+            loader.load_state_dict(loaded)  # resumes mid-epoch by itself: no position skip on top
             if epochs is not None:
                 # A state saved at the epoch's last batch resumes with the next epoch, as the uninterrupted run would.
-                loader.iteration = epochs[index] + int(bool(state.get(_FINISHED, False)))
+                loader.iteration = epochs[index] + int(bool(loaded.get(_FINISHED, False)))
                 loader.resume_position = 0
-        elif epochs is not None and positions is not None:
+        elif epochs is not None:
             loader.iteration = epochs[index]
-            loader.resume_position = positions[index]
-            loader.resume_rng_states = dict(rng_states) if rng_states and positions[index] else None
+            saved_length = lengths[index] if isinstance(lengths, list) and len(lengths) == len(loaders) else None
+            position = _checked_position(index, loader, positions[index] if positions else 0, saved_length, file)
+            loader.resume_position = position
+            loader.resume_rng_states = dict(record) if position else None
+    if other_world and loaders and saved_processes is not None:
+        _warn_other_world(source, saved_processes, state.num_processes, epochs)
+
+
+def _first_process_record(source: Path, read: Callable[[Path], Any]) -> tuple[Mapping[str, Any], Path]:
+    """Process 0's record (for the epochs), for a process whose own file is missing; empty without one."""
+    file = source / f"{RNG_STATE_NAME}_0.pkl"
+    return (read(file) if file.is_file() else {}), file
+
+
+def _checked_position(index: int, loader: DataLoaderShard, position: int, saved_length: int | None, file: Path) -> int:
+    """The position to resume ``loader`` at: ``position`` if it belongs to this loader.
+
+    Raises:
+        ValueError: If ``position`` lies past the loader's end: the epoch would silently yield nothing.
+
+    """
+    length = _length(loader)
+    if not position or length is None:
+        return position
+    if position > length:
+        raise ValueError(
+            f"{file} resumes data loader {index} at batch {position} of its epoch, but the loader has {length} "
+            f"batches per epoch{'' if saved_length is None else f' (the run that saved had {saved_length})'}, so "
+            "the epoch would yield nothing. The checkpoint belongs to another run (another dataset, batch size or "
+            "number of processes): load this run's checkpoint, or prepare the data loader the checkpoint was saved with"
+        )
+    if saved_length is not None and saved_length != length:
+        warnings.warn(
+            f"{file} records data loader {index} with {saved_length} batches per epoch, but it has {length} now "
+            f"(another dataset or batch size): its position in the epoch (batch {position}) is not restored, the "
+            "epoch starts from its first batch. Model, optimizer, scheduler and random states are restored.",
+            stacklevel=4,
+        )
+        return 0
+    return position
+
+
+def _warn_other_world(source: Path, saved: int, current: int, epochs: list[int] | None) -> None:
+    epoch = "" if epochs is None else f" (epochs {epochs} are)"
+    warnings.warn(
+        f"Checkpoint {source} was saved by {saved} processes and is loaded by {current}: model, optimizer, scheduler "
+        f"and random states are restored, and the data loaders' epochs{epoch}, but not their positions within the "
+        f"epoch, which count the batches of one process's shard at {saved} processes: the epoch starts again from "
+        "its first batch (its samples already trained on are seen again). Resume with the same number of processes "
+        "to continue exactly.",
+        stacklevel=4,
+    )
 
 
 def _recorded(states: Mapping[str, Any], count: int) -> tuple[list[int] | None, list[int] | None]:

@@ -8,6 +8,7 @@ is kept only where something does: an engine that runs the backward itself (Deep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.plugins import Precision
@@ -141,4 +142,58 @@ def check_quantized_placement(model: Module, *, distributed: bool, cpu_kernels: 
             "A model loaded in 8-bit or 4-bit precision with CPU or disk offload cannot be trained: load it entirely"
             " on the training device (device_map={'': <device>}), or install a bitsandbytes with CPU kernels to"
             " train it on the CPU."
+        )
+
+
+def _wrapper_of(module: object, prepared: Sequence[AcceleratedModule]) -> AcceleratedModule | None:
+    """The wrapper ``prepare`` returned for the plain module ``module``, or ``None`` if it was not prepared."""
+    if not isinstance(module, Module) or isinstance(module, _FabricModule):
+        return None
+    return next((wrapper for wrapper in prepared if wrapper.module is module), None)
+
+
+def reuse_prepared(objects: list[Any], prepared: Sequence[AcceleratedModule]) -> None:
+    """Put in place of each plain module of ``objects`` that was prepared before the wrapper it got then.
+
+    ``prepare(model)`` twice returns one wrapper (Accelerate returns the module it marked as prepared), so the model
+    is set up, trained and saved once, not twice (``model.safetensors`` and ``model_1.safetensors``).
+    """
+    for index, obj in enumerate(objects):
+        wrapper = _wrapper_of(obj, prepared)
+        if wrapper is not None:
+            objects[index] = wrapper
+
+
+def prepared_models(models: Sequence[Module], prepared: Sequence[AcceleratedModule]) -> list[Module]:
+    """``models`` with plain modules that were prepared replaced by their wrappers.
+
+    Raises:
+        TypeError: For a model ``prepare`` never saw, naming its class and the fix.
+
+    """
+    result: list[Module] = []
+    for model in models:
+        wrapper = model if isinstance(model, _FabricModule) else _wrapper_of(model, prepared)
+        if wrapper is None:
+            raise TypeError(
+                f"accumulate() got a {type(model).__name__} that Accelerator.prepare has not set up, so its gradient "
+                "synchronisation cannot be skipped between optimizer steps; pass the model `accelerator.prepare` "
+                "returned (`model = accelerator.prepare(model)`)"
+            )
+        result.append(wrapper)
+    return result
+
+
+def check_backward_after_prepare(prepared: Sequence[AcceleratedModule]) -> None:
+    """Refuse ``backward`` before any ``prepare``: precision, accumulation and sync would not apply to the loss.
+
+    Raises:
+        RuntimeError: Saying to prepare the model (and optimizer) first.
+
+    """
+    if not prepared:
+        raise RuntimeError(
+            "Accelerator.backward was called before any model was prepared, so mixed precision, gradient "
+            "accumulation and gradient synchronisation would not apply; call `model, optimizer = "
+            "accelerator.prepare(model, optimizer)` before the training loop"
         )

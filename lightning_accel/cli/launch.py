@@ -81,7 +81,7 @@ def _check_launchable(settings: Mapping[str, Any]) -> None:
     dtype = _arguments.distributed_type(settings)
     if dtype is not None:
         entry_for(dtype)
-    _arguments.accelerator_name(settings)
+    _check_devices_exist(settings)
     plugin = PLUGIN_BY_TYPE.get(dtype) if dtype is not None else None
     if plugin is not None:
         with warnings.catch_warnings():
@@ -100,6 +100,48 @@ def _check_launchable(settings: Mapping[str, Any]) -> None:
         raise ValueError(
             f"deepspeed_multinode_launcher is {launcher!r}, but lightning-accel launch starts every machine with "
             "torch.distributed.run; set it to 'standard' and run lightning-accel launch on each machine"
+        )
+
+
+def _local_device_count(device_type: str) -> int:
+    """How many ``device_type`` devices this machine has (0 without the device's torch extension)."""
+    import torch
+
+    from lightning_accel.config.devices import BACKEND_BY_TYPE
+
+    backend = next(b for b in BACKEND_BY_TYPE.values() if b.device_type == device_type)
+    if backend.extension_missing():
+        return 0
+    backend.import_extension()
+    module = getattr(torch, device_type, None)
+    return int(module.device_count()) if module is not None and module.is_available() else 0
+
+
+def _check_devices_exist(settings: Mapping[str, Any]) -> None:
+    """Refuse a device data-parallel type (``MULTI_GPU``, ...) or ``gpu_ids`` naming devices this machine lacks.
+
+    Without the check the workers would fall back to the CPU and train as ``MULTI_CPU``, not what was asked for.
+    """
+    device = _arguments.accelerator_name(settings)
+    if device in ("cpu", "auto"):
+        return
+    dtype = _arguments.distributed_type(settings)
+    label = dtype.value if dtype is not None else device
+    count = _local_device_count(device)
+    if count == 0:
+        raise ValueError(
+            f"distributed_type {label} trains on {device!r} devices, but this machine has none; train on CPU with "
+            "`--cpu` (distributed_type MULTI_CPU), or launch on a machine with the devices"
+        )
+    gpu_ids = settings.get("gpu_ids")
+    if gpu_ids in (None, "all"):
+        return
+    ids = [part.strip() for part in str(gpu_ids).split(",") if part.strip()]
+    absent = [i for i in ids if not i.isdigit() or int(i) >= count]
+    if absent:
+        raise ValueError(
+            f"gpu_ids {gpu_ids!r} names {absent}, but this machine has {count} {device!r} device(s) (ids 0 to "
+            f"{count - 1}); pass ids that exist, or gpu_ids 'all'"
         )
 
 

@@ -137,6 +137,7 @@ class AccelerateConfig:
         self._check_processes()
         self._check_deepspeed_file()
         self._check_fsdp()
+        self._check_foreign_plugin_sections()
         self._check_active_plugin()
         self._check_parallelism()
 
@@ -203,6 +204,18 @@ class AccelerateConfig:
             raise ValueError(
                 "fsdp_config.fsdp_cpu_ram_efficient_loading: true needs fsdp_config.fsdp_sync_module_states: true "
                 "with fsdp_version 1 (rank 0 loads the weights and broadcasts them)"
+            )
+
+    def _check_foreign_plugin_sections(self) -> None:
+        """Refuse a filled plugin section of another distributed type: launching would silently ignore it."""
+        for distributed_type, entry in PLUGIN_BY_TYPE.items():
+            section = getattr(self, entry.section)
+            if distributed_type == self.distributed_type or not section:
+                continue
+            raise ValueError(
+                f"{entry.section} is set ({sorted(section)}) but distributed_type is {self.distributed_type.value}, "
+                f"which ignores it; remove {entry.section} from the file, or set distributed_type: "
+                f"{distributed_type.value} if you meant to use it (the file was perhaps written for another setup)"
             )
 
     def _check_active_plugin(self) -> None:
@@ -272,10 +285,10 @@ class AccelerateConfig:
         """Write the file: JSON when ``path`` ends in ``.json``, YAML otherwise; returns the path."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.suffix == ".json":
-            target.write_text(_json_text(self), encoding="utf-8")
-        else:
-            target.write_text(yaml.safe_dump(self.to_dict()), encoding="utf-8")
+        text = _json_text(self) if target.suffix == ".json" else yaml.safe_dump(self.to_dict())
+        temporary = target.with_name(f".{target.name}.partial")  # an existing file is replaced only when complete
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, target)
         return target
 
     def settings(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.ddp_core import DDPFamily, DDPFamilyAdapter
 from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.registry import StrategyEntry
@@ -82,7 +83,7 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
             precision_plugin=precision_plugin,
             timeout=self._family.timeout,
             start_method=start_method,
@@ -146,7 +147,7 @@ class FabricAcceleratedDDPStrategy(DDPFamilyAdapter, _FabricDDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
             precision=precision,
             timeout=self._family.timeout,
             start_method=start_method,

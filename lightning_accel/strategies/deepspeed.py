@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.deepspeed_core import (
     DeepSpeedFamily,
     TrainingFacts,
@@ -52,6 +53,7 @@ from lightning_accel.strategies.deepspeed_core import (
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
 from lightning_accel.utils.lightning_internals import (
     lightning_private,
@@ -163,6 +165,13 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
             logging_level=logging_level,
         )
         self._engine: Any = None  # the engine the last entry point built, released by the next one
+        self.checkpoint_io = NamingTorchCheckpointIO()  # a full-weights file that cannot be read is named
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's loading, with a checkpoint DeepSpeed cannot read named in the error."""
+        parent = super().load_checkpoint
+        return read_checkpoint_file(checkpoint_path, lambda path: parent(path, weights_only))
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
@@ -406,6 +415,7 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
             logging_level=logging_level,
         )
         set_lightning_private(self, "_backward_sync_control", _AccumulationBoundary(self._family))
+        self.checkpoint_io = NamingTorchCheckpointIO()
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:

@@ -24,6 +24,7 @@ from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPl
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
 from lightning_accel.utils.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
+from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.compile import apply_dynamo
 
 _MODEL_KEY = "state_dict"
@@ -199,7 +200,7 @@ class FSDPFamily:
             checkpoint = self._read_sharded(path, live, model)
             options = StateDictOptions(strict=strict)
         elif path.is_file():
-            checkpoint = _optimizer_list_to_keys(torch.load(path, map_location="cpu", weights_only=False))
+            checkpoint = _optimizer_list_to_keys(read_checkpoint_file(path, _torch_load_on_cpu))
             options = StateDictOptions(full_state_dict=True, strict=strict)
         else:
             raise FileNotFoundError(
@@ -271,8 +272,8 @@ class FSDPFamily:
             else self.optimizer_state_dict(model, value, full=False)
             for key, value in live.items()
         }
-        dcp.load(shards, checkpoint_id=path)
-        metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
+        read_checkpoint_file(path, lambda folder: dcp.load(shards, checkpoint_id=folder))
+        metadata = read_checkpoint_file(path / METADATA_FILENAME, _torch_load_on_cpu)
         return {**metadata, **shards}
 
     def _options(self, model: Module, full: bool | None) -> Any:
@@ -386,6 +387,10 @@ class FSDPFamily:
                 " FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...]) to their class names."
             )
         apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
+
+
+def _torch_load_on_cpu(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 class FSDPFamilyAdapter:

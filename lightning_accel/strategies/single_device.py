@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_accel.config import TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.compile import apply_dynamo
@@ -98,7 +99,7 @@ class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDevice
         super().__init__(
             device="cpu" if device is None else device,
             accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self._adopt(strategy_name, dynamo_plugin, device is not None)
@@ -134,7 +135,7 @@ class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleD
         super().__init__(
             device="cpu" if device is None else device,
             accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
             precision=precision,
         )
         self._adopt(strategy_name, dynamo_plugin, device is not None)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
+
 # A sharded checkpoint is a directory: torch.distributed.checkpoint shards plus this file with everything else.
 METADATA_FILENAME = "meta.pt"
 _MODEL_KEY = "state_dict"
@@ -47,9 +49,9 @@ def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_K
 
         with warnings.catch_warnings():  # torch warns that it reads in one process, which is the point here
             warnings.simplefilter("ignore", UserWarning)
-            checkpoint = _load_state_dict_from_keys(keys={key}, checkpoint_id=path)
+            checkpoint = read_checkpoint_file(path, lambda p: _load_state_dict_from_keys(keys={key}, checkpoint_id=p))
     elif path.is_file():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = read_checkpoint_file(path, lambda p: torch.load(p, map_location="cpu", weights_only=False))
     else:
         raise FileNotFoundError(f"No checkpoint at {str(path)!r}: expected a checkpoint file or directory.")
     if key not in checkpoint:

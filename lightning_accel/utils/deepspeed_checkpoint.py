@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.constants import WEIGHTS_NAME
 
 __all__ = ["consolidate_deepspeed_checkpoint"]
@@ -47,7 +48,7 @@ def consolidate_deepspeed_checkpoint(
 def _read_deepspeed_checkpoint(root: Path, tag: str | None) -> dict[str, Tensor]:
     full = root / WEIGHTS_NAME
     if full.is_file() and tag is None:
-        return dict(torch.load(full, map_location="cpu", weights_only=True))
+        return dict(read_checkpoint_file(full, lambda p: torch.load(p, map_location="cpu", weights_only=True)))
     if not (root / "latest").is_file() and tag is None:
         raise FileNotFoundError(
             f"{root} is not a DeepSpeed checkpoint directory (it has neither {WEIGHTS_NAME} nor a 'latest' file)."
@@ -59,7 +60,9 @@ def _read_deepspeed_checkpoint(root: Path, tag: str | None) -> dict[str, Tensor]
         return _stage0_state_dict(shard_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return dict(get_fp32_state_dict_from_zero_checkpoint(os.fspath(root), tag=tag))
+    return dict(
+        read_checkpoint_file(shard_dir, lambda _: get_fp32_state_dict_from_zero_checkpoint(os.fspath(root), tag=tag))
+    )
 
 
 def _stage0_state_dict(shard_dir: Path) -> dict[str, Tensor]:
@@ -67,5 +70,5 @@ def _stage0_state_dict(shard_dir: Path) -> dict[str, Tensor]:
     files = sorted(shard_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise FileNotFoundError(f"No DeepSpeed model-states file in {shard_dir}.")
-    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    state = read_checkpoint_file(files[0], lambda p: torch.load(p, map_location="cpu", weights_only=False))
     return dict(state["module"])

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lightning_accel.logging import get_logger
+from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from lightning_accel.utils.modeling import is_peft_model
 
@@ -167,6 +168,11 @@ def _set_model_state(module: torch.nn.Module, state: dict[str, Any], adapter_onl
     return module.load_state_dict(state)
 
 
+def _read_file(path: str, weights_only: bool) -> Any:
+    """``torch.load`` of one checkpoint file, naming it if it cannot be read."""
+    return read_checkpoint_file(path, lambda p: torch.load(p, weights_only=weights_only))
+
+
 def _indexed(stem: str, index: int, suffix: str = ".bin") -> str:
     """``stem.bin`` for the first object, ``stem_{i}.bin`` after (Accelerate's names)."""
     return f"{stem}{suffix}" if index == 0 else f"{stem}_{index}{suffix}"
@@ -267,11 +273,11 @@ def load_fsdp_model(
                 return None
             path = os.path.join(input_dir, _indexed(FSDP_MODEL_NAME, model_index))
             load = not fsdp2 or accelerator.is_main_process  # FSDP2 broadcasts process 0's (broadcast_from_rank0)
-            state = torch.load(path, weights_only=True) if load else {}
+            state = _read_file(path, weights_only=True) if load else {}
         elif settings.state_dict_type == StateDictType.LOCAL_STATE_DICT:
             stem = FSDP_MODEL_NAME if model_index == 0 else f"{FSDP_MODEL_NAME}_{model_index}"
             # FSDP1's local shards are ShardedTensors, which weights_only cannot rebuild (Accelerate fails here).
-            state = torch.load(os.path.join(input_dir, f"{stem}_rank{rank}.bin"), weights_only=False)
+            state = _read_file(os.path.join(input_dir, f"{stem}_rank{rank}.bin"), weights_only=False)
         elif use_dcp:
             import torch.distributed.checkpoint as dcp
 
@@ -281,7 +287,7 @@ def load_fsdp_model(
             state = holder["model"]
         else:
             name = f"{FSDP_MODEL_NAME}_{model_index}_rank{rank}.bin"
-            state = torch.load(os.path.join(input_dir, name), weights_only=True)
+            state = _read_file(os.path.join(input_dir, name), weights_only=True)
         result = _set_model_state(module, state, adapter_only, options)
     accelerator.wait_for_everyone()
     return result
@@ -363,7 +369,7 @@ def load_fsdp_optimizer(
         if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
             if rank == 0 or not getattr(settings.optim_state_dict_config, "rank0_only", False):
                 path = os.path.join(input_dir, _indexed(OPTIMIZER_NAME, optimizer_index))
-                state = torch.load(path, weights_only=True)
+                state = _read_file(path, weights_only=True)
         elif use_dcp:
             import torch.distributed.checkpoint as dcp
 
@@ -373,7 +379,7 @@ def load_fsdp_optimizer(
             state = holder["optimizer"]
         else:
             name = f"{OPTIMIZER_NAME}_{optimizer_index}_rank{rank}.bin"
-            state = torch.load(os.path.join(input_dir, name), weights_only=True)
+            state = _read_file(os.path.join(input_dir, name), weights_only=True)
         if settings.version == 1:
             flat = FullyShardedDataParallel.optim_state_dict_to_load(
                 model=module, optim=optimizer, optim_state_dict=state

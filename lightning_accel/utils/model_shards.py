@@ -96,7 +96,8 @@ def save_model(
 ) -> None:
     """Write ``state`` as ``model.safetensors`` (or ``pytorch_model.bin``), sharded with an index past the limit.
 
-    Stale shard files of an earlier save in ``save_directory`` are removed.
+    Stale shard files of an earlier save in ``save_directory`` are removed, and existing files replaced, only once
+    every new file is completely written.
 
     Raises:
         ValueError: If ``save_directory`` is a file, or ``max_shard_size`` is not a size.
@@ -112,26 +113,38 @@ def save_model(
         state = without_shared_storage(state)
     pattern = f"{SAFE_MODEL_NAME}{{suffix}}.safetensors" if safe_serialization else f"{MODEL_NAME}{{suffix}}.bin"
     shards = shard_state_dict(state, pattern, max_shard_size)
+    # Every new file is written under a temporary name first, and old files are replaced or removed only once all
+    # of them are complete: a save killed midway leaves the previous save intact.
+    written = [_write_shard(directory, filename, {n: state[n] for n in names}, safe_serialization)
+               for filename, names in shards.items()]  # fmt: skip
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, names in shards.items() for n in names}}
+        index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+        temporary = directory / f".{index_name}.partial"
+        temporary.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        written.append((temporary, directory / index_name))
+    for temporary, final in written:
+        os.replace(temporary, final)
     stem = pattern.split("{")[0]
     for old in directory.iterdir():
         stale = old.is_file() and old.name.startswith(stem) and old.name not in shards
         if stale and _SHARD_FILE.fullmatch(old.name.rsplit(".", 1)[0]):
             old.unlink()
-    for filename, names in shards.items():
-        shard = {name: state[name] for name in names}
-        if safe_serialization:
-            from safetensors.torch import save_file
 
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in shard.items()}, directory / filename, {"format": "pt"}
-            )
-        else:
-            torch.save(shard, directory / filename)
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, names in shards.items() for n in names}}
-        index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
-        (directory / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+def _write_shard(
+    directory: Path, filename: str, shard: Mapping[str, torch.Tensor], safe_serialization: bool
+) -> tuple[Path, Path]:
+    """Write one shard under a temporary name in ``directory``; returns that name and the final one."""
+    temporary = directory / f".{filename}.partial"
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().contiguous() for k, v in shard.items()}, temporary, {"format": "pt"})
+    else:
+        torch.save(dict(shard), temporary)
+    return temporary, directory / filename
 
 
 def match_wrapper_prefix(state: Mapping[str, Any], expected: Any) -> dict[str, Any]:

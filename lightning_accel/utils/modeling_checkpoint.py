@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file as safe_load_file
 from torch import nn
 
+from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from lightning_accel.utils.modeling_sizes import DtypeLike, _as_dtype
 from lightning_accel.utils.modeling_tensors import (
@@ -78,6 +79,16 @@ def _owning_entry(name: str, device_map: Mapping[str, Any]) -> str | None:
     return name
 
 
+def _torch_load_on_cpu(file: str) -> dict[str, torch.Tensor]:
+    loaded: dict[str, torch.Tensor] = torch.load(file, map_location="cpu", weights_only=True)
+    return loaded
+
+
+def _safetensors_header(file: str) -> tuple[dict[str, str] | None, list[str]]:
+    with safe_open(file, framework="pt") as f:
+        return f.metadata(), list(f.keys())
+
+
 def load_state_dict(
     checkpoint_file: str | os.PathLike[str], device_map: Mapping[str, DeviceLike] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -89,31 +100,34 @@ def load_state_dict(
 
     Raises:
         OSError: For a safetensors file whose metadata names no known format.
-        ValueError: For a safetensors file saved by another framework.
+        ValueError: For a safetensors file saved by another framework, or a file that cannot be read (truncated,
+            corrupt, not a checkpoint), naming the file.
 
     """
     checkpoint_file = os.fspath(checkpoint_file)
     if not checkpoint_file.endswith(".safetensors"):
-        loaded: dict[str, torch.Tensor] = torch.load(checkpoint_file, map_location="cpu", weights_only=True)
-        return loaded
-    with safe_open(checkpoint_file, framework="pt") as f:
-        metadata = f.metadata()
-        names = list(f.keys())
+        return read_checkpoint_file(checkpoint_file, _torch_load_on_cpu)
+    metadata, names = read_checkpoint_file(checkpoint_file, _safetensors_header)
     _check_safetensors_format(checkpoint_file, metadata)
     if device_map is None:
-        return safe_load_file(checkpoint_file)
+        return read_checkpoint_file(checkpoint_file, safe_load_file)
     devices = set(device_map.values())
     if len(devices) == 1 and "disk" not in devices:
-        return safe_load_file(checkpoint_file, device=_device_name(next(iter(devices))))
+        device = _device_name(next(iter(devices)))
+        return read_checkpoint_file(checkpoint_file, lambda file: safe_load_file(file, device=device))
 
-    tensors: dict[str, torch.Tensor] = {}
     by_device: dict[str, list[str]] = {}
     for name in names:
         entry = _owning_entry(name, device_map)
         device = "cpu" if entry is None or device_map[entry] == "disk" else _device_name(device_map[entry])
         by_device.setdefault(device, []).append(name)
+    return read_checkpoint_file(checkpoint_file, lambda file: _read_on_devices(file, by_device))
+
+
+def _read_on_devices(file: str, by_device: Mapping[str, list[str]]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
     for device, device_names in by_device.items():
-        with safe_open(checkpoint_file, framework="pt", device=device) as f:
+        with safe_open(file, framework="pt", device=device) as f:
             for name in device_names:
                 tensors[name] = f.get_tensor(name)
     return tensors
@@ -181,12 +195,13 @@ def _load_without_device_map(
     strict: bool,
     full_state_dict: bool,
     broadcast_from_rank0: bool,
+    model_tensors: Mapping[str, torch.Tensor],
 ) -> set[str]:
     """Load one file with torch's state-dict loading; returns the checkpoint's names."""
-    tensors = list(model.state_dict().values())
-    physical = {t.device for t in tensors if isinstance(t, torch.Tensor)} - {torch.device("meta")}
+    physical = {t.device for t in model_tensors.values() if isinstance(t, torch.Tensor)} - {torch.device("meta")}
     if len(physical) > 1:
         whole = load_state_dict(checkpoint_file)
+        _check_shapes(model_tensors, whole, checkpoint_file)
         model.load_state_dict(whole, strict=strict)
         return set(whole)
     # torch's loader also takes DTensor / FSDP2-sharded models, and can broadcast the full checkpoint from rank 0.
@@ -194,6 +209,7 @@ def _load_without_device_map(
 
     reads_file = not broadcast_from_rank0 or torch.distributed.get_rank() == 0
     loaded: dict[str, Any] = dict(load_state_dict(checkpoint_file)) if reads_file else {}
+    _check_shapes(model_tensors, loaded, checkpoint_file)
     options = StateDictOptions(
         full_state_dict=full_state_dict, strict=strict, broadcast_from_rank0=broadcast_from_rank0
     )
@@ -351,7 +367,8 @@ def load_checkpoint_in_model(
             os.makedirs(offload_folder, exist_ok=True)
 
     files = _checkpoint_files(checkpoint)
-    model_keys = set(model.state_dict())
+    model_tensors = model.state_dict(keep_vars=True)
+    model_keys = set(model_tensors)
     unexpected: set[str] = set()
     loader = None
     if device_map is not None:
@@ -363,11 +380,12 @@ def load_checkpoint_in_model(
     for checkpoint_file in files:
         if loader is None:
             unexpected |= _load_without_device_map(
-                model, checkpoint_file, strict, full_state_dict, broadcast_from_rank0
+                model, checkpoint_file, strict, full_state_dict, broadcast_from_rank0, model_tensors
             )
             unexpected -= model_keys
             continue
         loaded = load_state_dict(checkpoint_file, device_map=device_map)
+        _check_shapes(model_tensors, loaded, checkpoint_file)
         extra = {name for name in loaded if name not in model_keys and "SCB" not in name}
         if strict and extra:
             raise ValueError(
@@ -388,3 +406,42 @@ def load_checkpoint_in_model(
     if loader is not None:
         loader.finish()
     retie_parameters(model, tied_params)
+    if loader is not None:
+        offloaded = set(loader.offload_index)
+        offloaded |= {name for group in tied_params if offloaded.intersection(group) for name in group}
+        _refuse_tensors_left_on_meta(model, offloaded, files)
+
+
+def _check_shapes(
+    model_tensors: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor], checkpoint_file: str
+) -> None:
+    """Refuse a checkpoint tensor whose shape differs from the model's, naming the tensor and the file."""
+    for name, tensor in loaded.items():
+        current = model_tensors.get(name)
+        if current is None or type(current).__name__ == "Params4bit":  # 4-bit weights are stored packed
+            continue
+        if current.shape != tensor.shape:
+            raise ValueError(
+                f"{checkpoint_file} holds {name!r} with shape {tuple(tensor.shape)}, but the model's {name!r} has "
+                f"shape {tuple(current.shape)}; load a checkpoint of this model (or build the model with the "
+                "configuration the checkpoint was saved with)"
+            )
+
+
+def _refuse_tensors_left_on_meta(model: nn.Module, offloaded: set[str], files: list[str]) -> None:
+    """Refuse a load that left tensors on the meta device (no data), naming them and the files read.
+
+    ``offloaded`` names the tensors (and their tied twins) written to the offload folder: meta placeholders there.
+    """
+    missing = [
+        name
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if tensor is not None and tensor.device.type == "meta" and name not in offloaded
+    ]
+    if missing:
+        where = files[0] if len(files) == 1 else f"any of {files}"
+        raise ValueError(
+            f"{missing} are not in {where}, so they have no data (they stay on the meta device, and using the model "
+            "would fail); load a complete checkpoint of this model, or build the model with these tensors "
+            "initialised (outside init_empty_weights) if they are meant to keep their initial values"
+        )

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_accel.utils.modeling_sizes import (
     DtypeLike,
-    _no_split_names,
+    _checked_no_split_names,
     compute_module_sizes,
     compute_module_total_buffer_size,
     convert_file_size_to_int,
@@ -340,9 +340,8 @@ def infer_auto_device_map(
         Module (or tensor) names to devices.
 
     """
-    planner = _DeviceMapPlanner(
-        model, max_memory, _no_split_names(no_split_module_classes), dtype, special_dtypes, verbose
-    )
+    no_split = _checked_no_split_names(model, no_split_module_classes)
+    planner = _DeviceMapPlanner(model, max_memory, no_split, dtype, special_dtypes, verbose)
     while planner.pending:
         planner.step(fallback_allocation)
     device_map: MutableMapping[str, int | str] = planner.device_map
@@ -396,21 +395,24 @@ def clean_device_map(device_map: MutableMapping[str, Any], module_name: str = ""
 
 
 def check_device_map(model: nn.Module, device_map: Mapping[str, DeviceLike]) -> None:
-    """Check that ``device_map`` gives a device to every tensor of ``model``'s state dict.
+    """Check that ``device_map`` names only the model's modules and tensors, and gives each tensor a device.
 
-    Keys naming neither a submodule nor a tensor of the model are reported with a ``UserWarning``.
+    Accelerate 1.15 only warns about a key that names nothing in the model; here it is an error, since the module the
+    key was meant for (a typo, another model's name) silently gets no device of its own.
 
     Raises:
-        ValueError: Naming the tensors without a device.
+        ValueError: Naming the keys that match nothing in the model, or the tensors without a device.
 
     """
     known = set(dict(model.named_modules())) | set(model.state_dict())
     invalid = [key for key in device_map if key and key not in known]
     if invalid:
-        warnings.warn(
-            f"The following device_map keys do not match any submodules in the model: {invalid}",
-            UserWarning,
-            stacklevel=2,
+        top_level = [name for name, _ in model.named_children()] + [
+            name for name, _ in model.named_parameters(recurse=False)
+        ]
+        raise ValueError(
+            f"device_map keys {invalid} match no submodule, parameter or buffer of the model "
+            f"({type(model).__name__}, whose top-level names are {top_level}); fix their spelling or remove them"
         )
     if "" in device_map:
         return

@@ -270,6 +270,33 @@ def _no_split_names(no_split_module_classes: str | Iterable[str] | None) -> list
     return list(no_split_module_classes)
 
 
+def _checked_no_split_names(model: nn.Module, no_split_module_classes: str | Iterable[str] | None) -> list[str]:
+    """``no_split_module_classes`` as a list of class names, each the name of a class ``model`` has a module of.
+
+    Raises:
+        TypeError: If an entry is not a string (a class object is never matched: pass its ``__name__``).
+        ValueError: If a name matches no module of ``model`` (a typo, or a class of another model), naming the
+            classes the model has.
+
+    """
+    names = _no_split_names(no_split_module_classes)
+    wrong_type = [name for name in names if not isinstance(name, str)]
+    if wrong_type:
+        raise TypeError(
+            f"no_split_module_classes must hold class names (strings), got {wrong_type!r}; pass e.g. "
+            f"[{', '.join(repr(getattr(c, '__name__', str(c))) for c in wrong_type)}]"
+        )
+    present = {type(module).__name__ for module in model.modules()}
+    absent = [name for name in names if name not in present]
+    if absent:
+        raise ValueError(
+            f"no_split_module_classes names {absent}, which the model ({type(model).__name__}) has no module of, "
+            f"so nothing would be kept whole; the model's module classes are {sorted(present)}. Fix the spelling "
+            "or remove the name"
+        )
+    return names
+
+
 def _largest_no_split_block(model: nn.Module, module_sizes: Mapping[str, int], no_split: Sequence[str]) -> int:
     """The largest size among the first module met of each no-split class (0 without such modules)."""
     block_sizes: dict[str, int] = {}
@@ -307,6 +334,7 @@ def get_balanced_memory(
         low_zero: Put as little as possible on accelerator 0 (kept free for e.g. generation).
 
     """
+    no_split = _checked_no_split_names(model, no_split_module_classes)
     user_set_budget = max_memory is not None
     budget = get_max_memory(max_memory)
     on_mps = _accelerator_type() == "mps"
@@ -326,7 +354,7 @@ def get_balanced_memory(
 
     module_sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     per_device = module_sizes[""] // (len(devices) - 1 if low_zero else len(devices))
-    block = _largest_no_split_block(model, module_sizes, _no_split_names(no_split_module_classes))
+    block = _largest_no_split_block(model, module_sizes, no_split)
     # Leaves of the sizes are tensors; once they are dropped, the leaves are the innermost modules.
     tensor_leaves = set(get_module_leaves(module_sizes))
     module_only = {name: size for name, size in module_sizes.items() if name not in tensor_leaves}

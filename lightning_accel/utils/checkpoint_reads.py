@@ -1,0 +1,36 @@
+"""Reading checkpoint files so that a failure names the file: torch's and safetensors' errors do not.
+
+Every read of a checkpoint (the shim's ``load_state``, the strategies' ``load_checkpoint``, the big-model loaders)
+goes through :func:`read_checkpoint_file`, so a truncated or corrupt file, or one that is not a checkpoint, is
+reported as ``ValueError`` naming its path instead of torch's ``PytorchStreamReader failed reading zip archive``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["read_checkpoint_file"]
+
+T = TypeVar("T")
+P = TypeVar("P", bound="str | os.PathLike[str]")
+
+
+def read_checkpoint_file(path: P, reader: Callable[[P], T]) -> T:
+    """``reader(path)``, with any failure but a missing file re-raised naming ``path``.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist (as the reader raised it).
+        ValueError: If the reader failed on the file's content, naming the file and the reader's reason.
+
+    """
+    try:
+        return reader(path)
+    except FileNotFoundError:
+        raise
+    except Exception as err:
+        raise ValueError(
+            f"Could not read checkpoint file {path}: {str(err).rstrip('.')}. The file may be truncated or corrupt "
+            "(a save that was interrupted, a partial copy) or not a checkpoint; point to an intact checkpoint."
+        ) from err
