@@ -49,6 +49,26 @@ __version__ = "0.1.0"
 register_accelerators()
 register_strategies()
 
+
+def _publish_deepspeed_wrappers() -> None:
+    """Give ``lightning_accel.utils`` (and ``.utils.deepspeed``) the shim's DeepSpeed wrappers, as Accelerate has them.
+
+    ``accelerate.utils.DeepSpeedOptimizerWrapper`` / ``DeepSpeedSchedulerWrapper`` subclass the shim's optimizer and
+    scheduler, which ``utils`` sits below and may not import; the package root, above every layer, hands them over
+    (``transformers.Trainer`` imports them from ``accelerate.utils`` whenever DeepSpeed is installed).
+    """
+    from lightning_accel import utils
+    from lightning_accel.optimizer import DeepSpeedOptimizerWrapper
+    from lightning_accel.scheduler import DeepSpeedSchedulerWrapper
+    from lightning_accel.utils import deepspeed
+
+    for module in (utils, deepspeed):
+        for wrapper in (DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper):
+            setattr(module, wrapper.__name__, wrapper)  # documented with their own modules, not in utils.__all__
+
+
+_publish_deepspeed_wrappers()
+
 __all__ = [
     "Accelerator",
     "AcceleratorState",

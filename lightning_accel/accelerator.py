@@ -37,6 +37,8 @@ from lightning_accel._shim.arguments import (
     with_split_batches,
 )
 from lightning_accel._shim.checkpoint_control import CheckpointControl
+from lightning_accel._shim.deepspeed_members import DeepSpeedMembers
+from lightning_accel._shim.gradients import GradientControl, raw_optimizer
 from lightning_accel._shim.loader_control import DataLoaderControl
 from lightning_accel._shim.lomo import LomoControl
 from lightning_accel._shim.module import (
@@ -64,7 +66,7 @@ from lightning_accel.config import (
 )
 from lightning_accel.data_loader import DataLoaderShard, check_rng_types
 from lightning_accel.enums import DynamoBackend
-from lightning_accel.optimizer import AcceleratedOptimizer
+from lightning_accel.optimizer import AcceleratedOptimizer, DeepSpeedOptimizerWrapper
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
@@ -87,6 +89,8 @@ class Accelerator(
     ParallelismControl,
     ProfilingControl,
     LomoControl,
+    GradientControl,
+    DeepSpeedMembers,
 ):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
 
@@ -295,7 +299,7 @@ class Accelerator(
 
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
         _module.reuse_prepared(objects, self._models)  # a module prepared before gets the wrapper it got then
-        models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not isinstance(obj, _FabricModule)]
+        models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not self._is_prepared_model(obj)]
         optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
         for i in models:
             facts = {"cpu_kernels": is_bitsandbytes_multi_backend_available(), "xpu": is_xpu_available()}
@@ -321,14 +325,16 @@ class Accelerator(
     def _register_model(self, objects: list[Any], index: int, model: _FabricModule) -> None:
         adopted = AcceleratedModule.adopt(model)
         self._models.append(adopted)
-        objects[index] = adopted
+        objects[index] = self._returned_model(adopted)
 
     def _register_optimizer(self, optimizer: Optimizer, device_placement: bool) -> AcceleratedOptimizer:
         strategy = self.fabric.strategy
         engine, plain = _engine_step.engine_steps_in_backward(strategy), plain_optimizer_step(strategy)
         place = device_placement and not engine  # an engine (DeepSpeed) places its own optimizer state
-        wrapped = AcceleratedOptimizer(
-            optimizer, place, precision=strategy.precision, plain_step=plain, engine_steps=engine
+        wrapped = (
+            DeepSpeedOptimizerWrapper(optimizer, precision=strategy.precision)
+            if engine
+            else AcceleratedOptimizer(optimizer, place, precision=strategy.precision, plain_step=plain)
         )
         self._optimizers.append(wrapped)
         return wrapped
@@ -358,7 +364,7 @@ class Accelerator(
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so it steps with its prepared optimizer (a ``DummyScheduler``: the engine's)."""
-        optimizers = [opt for opt in self._optimizers if _raw_optimizer(opt) is scheduler.optimizer]
+        optimizers = [opt for opt in self._optimizers if raw_optimizer(opt) is scheduler.optimizer]
         wrapped = _engine_step.engine_scheduler(self.fabric.strategy, scheduler, self._optimizers) or (
             AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches)
         )
@@ -415,7 +421,8 @@ class Accelerator(
             loss.backward(**kwargs)  # the strategy and precision plugin would add nothing around it
             return
         model = self._models[0] if len(self._models) == 1 else None
-        self.fabric.backward(loss, model=model, **kwargs)
+        with _engine_step.step_boundary(self.fabric.strategy, self.sync_gradients):
+            self.fabric.backward(loss, model=model, **kwargs)
         _engine_step.step_after_backward(self.fabric.strategy, self._optimizers, self.sync_gradients)
 
     def _do_sync(self) -> None:
@@ -451,6 +458,7 @@ class Accelerator(
         if lightning_private(self.fabric.strategy, "_backward_sync_control") is None:
             yield
             return
+        model = self._prepared_wrapper(model)
         if not isinstance(model, _FabricModule):
             raise TypeError(f"no_sync needs a model returned by Accelerator.prepare, got {type(model).__name__}.")
         with self.fabric.no_backward_sync(model, enabled=True):
@@ -483,45 +491,6 @@ class Accelerator(
         if handler is not None and not handler.enabled:
             return nullcontext()
         return self.fabric.autocast()
-
-    def _owner(self, parameters: Any) -> tuple[list[Any], _FabricModule | None]:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ids = {id(p) for p in params}
-        owners = [m for m in self._models if ids <= {id(p) for p in m.parameters()}]
-        return params, (owners[0] if owners and self._optimizers else None)
-
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | float | None:
-        """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm.
-
-        Under DeepSpeed, as in Accelerate: the engine clipped in ``backward`` by its config (``max_norm`` is ignored);
-        returns its last step's norm (a float; ``None`` before the first step).
-        """
-        if _engine_step.engine_steps_in_backward(self.fabric.strategy):
-            return _engine_step.global_grad_norm(self.fabric.strategy, max_norm)
-        params, owner = self._owner(parameters)
-        if owner is not None and len(params) == len(list(owner.parameters())):
-            optimizer = self._optimizers[0].optimizer
-            norm = self.fabric.clip_gradients(
-                owner, optimizer, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=False
-            )
-            return cast(torch.Tensor, norm)
-        self.unscale_gradients()
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling; not DeepSpeed)."""
-        _engine_step.refuse_value_clipping(self.fabric.strategy)
-        params, _ = self._owner(parameters)
-        self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(params, clip_value)
-
-    def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
-        """Divide fp16 gradients by the loss scale now (a no-op without a gradient scaler)."""
-        precision = self.fabric.strategy.precision
-        if getattr(precision, "scaler", None) is None:
-            return
-        for opt in [optimizer] if optimizer is not None else self._optimizers:
-            precision.unscale_gradients(_raw_optimizer(opt))
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -582,11 +551,6 @@ class Accelerator(
 
 def _is_raw_optimizer(obj: Any) -> bool:
     return isinstance(obj, Optimizer) and not isinstance(obj, (AcceleratedOptimizer, _FabricOptimizer))
-
-
-def _raw_optimizer(optimizer: AcceleratedOptimizer) -> Optimizer:
-    inner = optimizer.optimizer
-    return inner.optimizer if isinstance(inner, _FabricOptimizer) else inner
 
 
 def _all_tensors(data: Any) -> bool:

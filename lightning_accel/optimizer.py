@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.utils.nested import honor_type
 
-__all__ = ["AcceleratedOptimizer", "move_to_device", "patch_optimizer_step"]
+__all__ = ["AcceleratedOptimizer", "DeepSpeedOptimizerWrapper", "move_to_device", "patch_optimizer_step"]
 
 
 def _is_fabric_wrapper(optimizer: Any) -> bool:
@@ -225,3 +225,25 @@ def _call_mode(optimizer: Any, mode: str) -> None:
         if callable(method) and not isinstance(candidate, AcceleratedOptimizer):
             method()
             return
+
+
+class DeepSpeedOptimizerWrapper(AcceleratedOptimizer):
+    """What ``Accelerator.prepare`` returns for an optimizer under DeepSpeed (``accelerate.utils``'s class).
+
+    The engine steps and zeroes the gradients inside ``accelerator.backward``, so ``step`` and ``zero_grad`` do
+    nothing; :attr:`step_was_skipped` is the engine optimizer's ``overflow`` (fp16), as in Accelerate.
+
+    Args:
+        optimizer: The optimizer the engine steps (DeepSpeed's, or the one Fabric set up with the engine).
+        precision: The precision plugin of the run, if any.
+
+    """
+
+    def __init__(self, optimizer: Optimizer, *, precision: Any = None) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None, precision=precision, engine_steps=True)
+
+    @property
+    @override
+    def step_was_skipped(self) -> bool:
+        """Whether the engine skipped its last step (fp16 overflow)."""
+        return bool(getattr(self.optimizer, "overflow", False))

@@ -10,7 +10,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.state import GradientState, PartialState
 
-__all__ = ["AcceleratedScheduler"]
+__all__ = ["AcceleratedScheduler", "DeepSpeedSchedulerWrapper"]
 
 
 class AcceleratedScheduler:

@@ -16,12 +16,36 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel._shim.deepspeed_prepare import PrepareFacts, check_dummies, dummy_fills, resolve_prepare_config
+from lightning_accel.logging import get_logger
+from lightning_accel.state import GradientState
 from lightning_accel.strategies.deepspeed import FabricAcceleratedDeepSpeedStrategy
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
 from lightning_accel.utils.deepspeed import DummyOptim
 from lightning_accel.utils.lightning_internals import lightning_private_members
 
-__all__ = ["PreparedDeepSpeedStrategy"]
+__all__ = ["PreparedDeepSpeedStrategy", "adopt_config_accumulation"]
+
+
+def adopt_config_accumulation(plugin: Any, gradient_state: GradientState) -> None:
+    """Take the DeepSpeed config's accumulation steps where they differ from the ``Accelerator``'s, as Accelerate.
+
+    Accelerate's ``prepare`` warns and switches the ``Accelerator`` to the config's value (``transformers.Trainer``
+    writes its ``gradient_accumulation_steps`` into the config and leaves the ``Accelerator`` at 1). The engine is
+    built with the value here, so the ``Accelerator`` adopts it when it starts, before the strategy is built.
+
+    Args:
+        plugin: The ``DeepSpeedPlugin``, or ``None``.
+        gradient_state: The shared accumulation state, changed in place.
+
+    """
+    configured = getattr(plugin, "deepspeed_config", {}).get("gradient_accumulation_steps")
+    if not isinstance(configured, int) or configured == gradient_state.num_steps:
+        return
+    get_logger(__name__).warning(
+        f"Gradient accumulation steps mismatch: GradientAccumulationPlugin has {gradient_state.num_steps}, DeepSpeed"
+        f" config has {configured}. Using DeepSpeed's value."
+    )
+    gradient_state.plugin_kwargs["num_steps"] = configured
 
 
 @lightning_private_members("_initialize_engine")

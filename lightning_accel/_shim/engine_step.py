@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
@@ -32,6 +33,7 @@ __all__ = [
     "global_grad_norm",
     "refuse_value_clipping",
     "step_after_backward",
+    "step_boundary",
 ]
 
 # What Accelerator.prepare treats as a scheduler.
@@ -47,6 +49,26 @@ def engine_steps_in_backward(strategy: Strategy) -> bool:
 def _engine(strategy: Strategy) -> Any:
     """The engine of a DeepSpeed ``strategy`` (``None`` before its setup)."""
     return lightning_private(strategy, "_deepspeed_engine")
+
+
+@contextmanager
+def step_boundary(strategy: Strategy, sync_gradients: bool) -> Iterator[None]:
+    """Tell the engine whether the backward pass in the body ends an accumulation (``sync_gradients``), as Accelerate.
+
+    The engine counts its own micro-steps only inside ``step()``, which runs at sync steps alone; a loop that
+    accumulates without :meth:`Accelerator.no_sync` (``transformers.Trainer`` under DeepSpeed) would otherwise reach
+    the engine's boundary every ``gradient_accumulation_steps`` optimizer steps instead of every step. The boundary is
+    set back to the strategy's default (reached) afterwards.
+    """
+    engine = _engine(strategy) if engine_steps_in_backward(strategy) else None
+    if engine is None:
+        yield
+        return
+    engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(is_boundary=True)
 
 
 def step_after_backward(strategy: Strategy, optimizers: Sequence[AcceleratedOptimizer], sync_gradients: bool) -> None:

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from lightning_accel._shim.deepspeed import PreparedDeepSpeedStrategy
+from lightning_accel._shim.deepspeed import PreparedDeepSpeedStrategy, adopt_config_accumulation
 from lightning_accel.config import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -225,6 +225,7 @@ def build_fabric(
 
     """
     given = {name: value for name, value in plugins.items() if value is not None}
+    adopt_config_accumulation(given.get("deepspeed_plugin"), GradientState())
     loop = {"gradient_accumulation_steps": GradientState().num_steps}
     entry = _strategy_entry(dtype, given)
     strategy_options = _accepted(entry.fabric_cls, given, open_kwargs=True)

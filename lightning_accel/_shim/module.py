@@ -70,7 +70,11 @@ def plain_optimizer_step(strategy: Strategy) -> bool:
 
 @lightning_private_members("_register_backward_hook")
 class AcceleratedModule(_FabricModule):
-    """A ``_FabricModule`` whose outputs refuse ``loss.backward()`` only where it would give wrong gradients."""
+    """A ``_FabricModule`` whose outputs refuse ``loss.backward()`` only where it would give wrong gradients.
+
+    It also answers for the strategy's wrapper (``model.no_sync()``, ``model.join()`` under DDP), which is what
+    Accelerate's ``prepare`` returns.
+    """
 
     _backward_guard: str | None
 
@@ -82,6 +86,23 @@ class AcceleratedModule(_FabricModule):
         adopted: AcceleratedModule = module  # type: ignore[assignment]  # its class was just replaced
         object.__setattr__(adopted, "_backward_guard", backward_guard(lightning_private(adopted, "_strategy")))
         return adopted
+
+    @override
+    def __getattr__(self, item: str) -> Any:
+        """The user's module's attribute, else that of the strategy's wrapper (DDP's ``no_sync``, ``join``, ...).
+
+        Accelerate's ``prepare`` returns the ``DistributedDataParallel`` module itself; this wrapper answers for it
+        wherever the user's module has no attribute of that name.
+        """
+        try:
+            return super().__getattr__(item)
+        except AttributeError:
+            if "_modules" not in self.__dict__ or item.startswith("__"):
+                raise  # half-built (copying, unpickling) or a special name: nothing to forward to
+            wrapper = fabric_forward_module(self)
+            if wrapper is lightning_private(self, "_original_module") or not hasattr(wrapper, item):
+                raise
+            return getattr(wrapper, item)
 
     @override
     def _register_backward_hook(self, tensor: Tensor) -> Tensor:

@@ -39,6 +39,23 @@ class _ExistingModule(importlib.abc.Loader):
         return None
 
 
+class _DeferredModule(importlib.abc.Loader):
+    """Import lightning_accel only when ``accelerate`` itself is imported, not when a library merely looks for it.
+
+    ``import transformers`` asks ``importlib.util.find_spec("accelerate")`` while it is half initialised; importing
+    lightning_accel then (lightning -> torchmetrics -> transformers) would be a circular import.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(self.name)
+
+    def exec_module(self, module: ModuleType) -> None:
+        return None
+
+
 class AccelerateAlias(importlib.abc.MetaPathFinder):
     """Resolve ``accelerate`` and its submodules to lightning_accel, except Accelerate's test helpers."""
 
@@ -52,6 +69,8 @@ class AccelerateAlias(importlib.abc.MetaPathFinder):
         if fullname == _KEPT or fullname.startswith(_KEPT + "."):
             return self._real_spec(fullname)
         ours = _OURS + fullname[len(_THEIRS) :]
+        if fullname == _THEIRS and _OURS not in sys.modules:
+            return self._deferred_spec()
         try:
             module = importlib.import_module(ours)
         except ModuleNotFoundError as err:
@@ -66,6 +85,16 @@ class AccelerateAlias(importlib.abc.MetaPathFinder):
         )
         if spec is not None and hasattr(module, "__path__"):
             spec.submodule_search_locations = list(module.__path__)
+        return spec
+
+    def _deferred_spec(self) -> importlib.machinery.ModuleSpec | None:
+        found = importlib.util.find_spec(_OURS)  # a top-level name: found without importing it
+        if found is None:
+            raise ModuleNotFoundError(f"No module named {_OURS!r} to stand in for {_THEIRS!r}", name=_THEIRS)
+        self._record(_THEIRS, _OURS)
+        spec = importlib.util.spec_from_loader(_THEIRS, _DeferredModule(_OURS), is_package=True)
+        if spec is not None:
+            spec.submodule_search_locations = list(found.submodule_search_locations or [])
         return spec
 
     def _real_spec(self, fullname: str) -> importlib.machinery.ModuleSpec | None:

@@ -1,0 +1,94 @@
+"""Gradient clipping and unscaling for the ``Accelerator``, as Accelerate's ``clip_grad_norm_`` computes it.
+
+Accelerate clips with ``torch.nn.utils.clip_grad_norm_`` over the parameters it is given, in the order given, so the
+float sum of the norms (and with it every clipped weight) depends on that order. The ``Accelerator`` does the same,
+except where the strategy must compute the norm itself: a sharded strategy that clips through its root module
+(FSDP1's ``clip_grad_norm_``) when the parameters are all of a prepared model's, and DeepSpeed, whose engine clipped
+inside ``backward`` (see :mod:`lightning_accel._shim.engine_step`). FSDP2's parameters are ``DTensor`` shards, over
+which torch's function computes the global norm itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import Strategy
+from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+from lightning_utilities.core.overrides import is_overridden
+from torch.optim import Optimizer
+
+from lightning_accel._shim import engine_step as _engine_step
+from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel.optimizer import AcceleratedOptimizer
+
+__all__ = ["GradientControl"]
+
+
+class GradientControl:
+    """Accelerate's ``clip_grad_norm_``, ``clip_grad_value_`` and ``unscale_gradients``, for the ``Accelerator``."""
+
+    fabric: Fabric
+    _models: list[AcceleratedModule]
+    _optimizers: list[AcceleratedOptimizer]
+
+    def _owner(self, parameters: Any) -> tuple[list[Any], _FabricModule | None]:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        ids = {id(p) for p in params}
+        owners = [m for m in self._models if ids <= {id(p) for p in m.parameters()}]
+        return params, (owners[0] if owners and self._optimizers else None)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | float | None:
+        """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm.
+
+        The norm is taken over ``parameters`` in the order given, as Accelerate's is. Under DeepSpeed, as in
+        Accelerate: the engine clipped in ``backward`` by its config (``max_norm`` is ignored); returns its last
+        step's norm (a float; ``None`` before the first step).
+
+        Raises:
+            ValueError: If ``max_norm`` is negative (it would flip the gradients' sign).
+
+        """
+        if max_norm < 0:
+            raise ValueError(
+                f"clip_grad_norm_ got max_norm={max_norm!r}; it must be >= 0 (a negative bound would flip the"
+                " gradients' sign). Pass the largest gradient norm to allow, or do not call clip_grad_norm_."
+            )
+        strategy = self.fabric.strategy
+        if _engine_step.engine_steps_in_backward(strategy):
+            return _engine_step.global_grad_norm(strategy, max_norm)
+        params, owner = self._owner(parameters)
+        if owner is not None and _clips_itself(strategy) and len(params) == len(list(owner.parameters())):
+            norm = self.fabric.clip_gradients(
+                owner, self._optimizers[0].optimizer, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=False
+            )
+            return cast(torch.Tensor, norm)
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling; not DeepSpeed)."""
+        _engine_step.refuse_value_clipping(self.fabric.strategy)
+        params, _ = self._owner(parameters)
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
+        """Divide fp16 gradients by the loss scale now (a no-op without a gradient scaler)."""
+        precision = self.fabric.strategy.precision
+        if getattr(precision, "scaler", None) is None:
+            return
+        for opt in [optimizer] if optimizer is not None else self._optimizers:
+            precision.unscale_gradients(raw_optimizer(opt))
+
+
+def _clips_itself(strategy: Strategy) -> bool:
+    """Whether ``strategy`` computes the norm its own way (FSDP1 through its root module), not torch's function."""
+    return is_overridden("clip_gradients_norm", strategy, parent=Strategy)
+
+
+def raw_optimizer(optimizer: AcceleratedOptimizer) -> Optimizer:
+    """The user's optimizer inside an ``AcceleratedOptimizer`` and Fabric's wrapper."""
+    inner = optimizer.optimizer
+    return inner.optimizer if isinstance(inner, _FabricOptimizer) else inner
