@@ -148,7 +148,8 @@ def _model_state(module: torch.nn.Module, adapter_only: bool, options: Any) -> d
             return dict(get_model_state_dict(module, options=replace(options, ignore_frozen_params=True)))
         from peft import get_peft_model_state_dict
 
-        return dict(get_peft_model_state_dict(module, adapter_name=module.active_adapter))
+        adapter: str = module.active_adapter  # type: ignore[assignment]  # a PeftModel's attribute, typed Module by torch
+        return dict(get_peft_model_state_dict(module, adapter_name=adapter))
     if options is not None:
         return dict(get_model_state_dict(module, options=options))
     return dict(module.state_dict())
