@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_accel import Accelerator
 from lightning_accel.state import reset_state
@@ -125,6 +126,23 @@ def test_trackio_database_matches_hf(runs: Path) -> None:
     assert ours == {
         "config": CONFIG,
         "rows": [{"step": 1, "loss": 0.5, "acc": 0.75}, {"step": 2, "loss": 0.25, "note": "hello"}],
+    }
+
+
+def test_dvclive_in_process_takes_tensors_and_strings_and_drops_the_rest(tmp_path: Path) -> None:
+    pytest.importorskip("dvclive")
+    accelerator = Accelerator(cpu=True, log_with="dvclive")
+    live = {"dir": str(tmp_path / "live"), "save_dvc_exp": False, "dvcyaml": None}
+    accelerator.init_trackers("proj", config={"lr": 0.1}, init_kwargs={"dvclive": live})
+    with pytest.warns(UserWarning, match="DVCLive cannot log bad=list as a metric: dropped"):
+        accelerator.log({"loss": torch.tensor(0.5), "note": "hi", "bad": [1, 2]}, step=2)
+    accelerator.log({"loss": 0.25})
+    accelerator.end_training()
+    assert accelerator.get_tracker("dvclive", unwrap=True) is accelerator.trackers[0].live  # kept, as Accelerate
+    assert dvclive_records(tmp_path / "live") == {
+        "params": {"lr": 0.1},
+        "summary": {"loss": 0.25, "note": "hi", "step": 3},
+        "history": {"loss": [(2, 0.5), (3, 0.25)], "note": [(2, "hi")]},
     }
 
 

@@ -161,6 +161,13 @@ def clearml_offline_task(offline_dir: Path) -> dict[str, Any]:
     return found
 
 
+def _number_or_text(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def dvclive_records(live_dir: Path) -> dict[str, Any]:
     """Params, the summary (``metrics.json``) and each metric's history (``name -> [(step, value)]``) DVCLive wrote."""
     import yaml
@@ -168,7 +175,7 @@ def dvclive_records(live_dir: Path) -> dict[str, Any]:
     history = {}
     for tsv in sorted((live_dir / "plots" / "metrics").glob("*.tsv")):
         _, *rows = (line.split("\t") for line in tsv.read_text().splitlines())
-        history[tsv.stem] = [(int(step), float(value)) for step, value in rows]
+        history[tsv.stem] = [(int(step), _number_or_text(value)) for step, value in rows]
     return {
         "params": yaml.safe_load((live_dir / "params.yaml").read_text()),
         "summary": json.loads((live_dir / "metrics.json").read_text()),

@@ -119,6 +119,6 @@ class TrackingMixin:
         return GeneralTracker()
 
     def _finish_trackers(self) -> None:
+        # The finished trackers stay listed, as in Accelerate (scripts read their files through them afterwards).
         for tracker in self.trackers:
             tracker.finish()
-        self.trackers = []
