@@ -15,7 +15,8 @@ from lightning_accel import Accelerator
 from lightning_accel.utils import set_seed
 from tests.helpers import REPO, reset_accelerator_states, run_python, torchrun
 
-_STRATEGIES = ("acc_no", "acc_multi_cpu", "acc_fsdp", "acc_parallel", "acc_deepspeed")
+_NAMED = ("acc_no", "acc_multi_cpu", "acc_fsdp", "acc_parallel", "fabric:acc_no", "fabric:acc_fsdp")
+_STRATEGIES = (*_NAMED, "acc_deepspeed")
 
 
 def test_trainer_resume_from_a_corrupted_ckpt_names_the_file_under_every_strategy(tmp_path: Path) -> None:
@@ -25,7 +26,7 @@ def test_trainer_resume_from_a_corrupted_ckpt_names_the_file_under_every_strateg
     )
     results = json.loads((tmp_path / "results.json").read_text())
     path = str(tmp_path / "last.ckpt")
-    for strategy in ("acc_no", "acc_multi_cpu", "acc_fsdp", "acc_parallel"):
+    for strategy in _NAMED:
         raised = results[strategy]
         assert raised["type"] == "ValueError", (strategy, raised)
         assert raised["message"].startswith(f"Could not read checkpoint file {path}: PytorchStreamReader"), raised

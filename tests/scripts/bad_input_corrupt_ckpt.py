@@ -1,6 +1,7 @@
-"""Resume a Trainer from a corrupted checkpoint under each ``acc_*`` strategy given; print what each raised (JSON).
+"""Resume from a corrupted checkpoint under each ``acc_*`` strategy given; write what each raised (JSON).
 
-Run in one process (each strategy on one CPU device): ``python bad_input_corrupt_ckpt.py OUT STRATEGY...``.
+Run in one process (each strategy on one CPU device): ``python bad_input_corrupt_ckpt.py OUT STRATEGY...``; a
+strategy written ``fabric:NAME`` is tried with ``Fabric.load`` instead of ``Trainer.fit(ckpt_path=...)``.
 """
 
 from __future__ import annotations
@@ -42,12 +43,28 @@ def _resume(strategy: str, ckpt: Path) -> dict[str, str]:
     return {"type": "none", "message": ""}
 
 
+def _fabric_load(strategy: str, ckpt: Path) -> dict[str, str]:
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(Model())
+    try:
+        fabric.load(ckpt, {"model": model})
+    except Exception as err:  # what a user sees
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": "none", "message": ""}
+
+
 def main() -> None:
     out, strategies = Path(sys.argv[1]), sys.argv[2:]
     ckpt = out / "last.ckpt"
     torch.save({"state_dict": Model().state_dict(), "epoch": 0}, ckpt)
     ckpt.write_bytes(ckpt.read_bytes()[:200])  # cut short, as a save killed mid-write leaves it
-    results = {strategy: _resume(strategy, ckpt) for strategy in strategies}
+    results = {
+        strategy: _fabric_load(strategy.removeprefix("fabric:"), ckpt)
+        if strategy.startswith("fabric:")
+        else _resume(strategy, ckpt)
+        for strategy in strategies
+    }
     (out / "results.json").write_text(json.dumps(results))
 
 
