@@ -17,7 +17,7 @@ from lightning_accel.strategies import FabricAcceleratedFSDPStrategy
 from tests.helpers import load_rank_results, torchrun
 
 Results = dict[str, list[dict[str, Any]]]
-SHARDED = ["fsdp2_sharded", "fsdp2_full", "fsdp1_full", "parallel"]
+SHARDED = ["fsdp2_sharded", "fsdp2_full", "fsdp1_full", "parallel", "deepspeed"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,10 @@ def test_resume_restores_the_stateful_loader_and_continues_exactly(results: Resu
         assert rank["resumed_losses"] == rank["losses"][3:]
         for key, value in rank["weights"].items():
             assert torch.equal(rank["resumed_weights"][key], value), key
-        assert rank["step"] == 3 and rank["remainder"] == []
+        assert rank["step"] == 3
+        # Nothing left over but, under DeepSpeed, the engine's own client state (Lightning's DeepSpeed code).
+        assert rank["remainder"] == [] or (variant == "deepspeed" and "buffer_names" in rank["remainder"])
+        assert not {"loader", "step", "model", "optimizer"} & set(rank["remainder"])
 
 
 @pytest.mark.parametrize("variant", SHARDED)
