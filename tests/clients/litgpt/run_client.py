@@ -146,7 +146,8 @@ class ScenarioError(Exception):
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line or "error:" in line]
-    return (errors or lines or [""])[-1].strip()[:300]
+    causes = [line for line in errors if "Connection closed by peer" not in line]  # the other rank's echo of a crash
+    return (causes or errors or lines or [""])[-1].strip()[:300]
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
