@@ -90,3 +90,11 @@ def test_load_raw_of_a_missing_file_names_it(tmp_path: Path) -> None:
 
     with pytest.raises(FileNotFoundError, match=r"No state-dict file at .*absent\.pt"):
         FSDPFamily(None).load_raw_module(tmp_path / "absent.pt", torch.nn.Linear(2, 2))
+
+
+def test_loading_into_neither_a_module_nor_a_state_names_both_calls() -> None:
+    from lightning_accel.strategies.fsdp_core import load_target_error
+
+    message = load_target_error("acc_fsdp", None)
+    assert "fabric.load(path, {'model': model, ...})" in message and "fabric.load_raw(path, model)" in message
+    assert message.endswith("got None.")
