@@ -188,3 +188,51 @@ def test_precision_strings_behave_as_under_ddp(name: str, precision: str) -> Non
         ddp = make(accelerator="cpu", devices=2, strategy="ddp", precision=precision, **kwargs).strategy
         plugin = "precision_plugin" if make is L.Trainer else "precision"
         assert precision_behaviour(getattr(ours, plugin)) == precision_behaviour(getattr(ddp, plugin)), make
+
+
+# --------------------------------------------------------------------------- connector: launch environments
+
+
+TORCHELASTIC = {
+    "TORCHELASTIC_RUN_ID": "1",
+    "WORLD_SIZE": "4",
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "GROUP_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29555",
+}
+
+
+def ranks(strategy: Any) -> tuple[Any, ...]:
+    (getattr(strategy, "set_world_ranks", None) or strategy._set_world_ranks)()  # Fabric's is private
+    environment = strategy.cluster_environment
+    return (
+        type(environment).__name__,
+        strategy.global_rank,
+        strategy.local_rank,
+        strategy.node_rank,
+        strategy.world_size,
+    )
+
+
+@pytest.mark.parametrize("name", ["acc_ddp", "acc_fsdp", "acc_deepspeed"])
+def test_a_torchelastic_launch_sets_the_ranks_as_for_ddp(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in TORCHELASTIC.items():
+        monkeypatch.setenv(key, value)
+    ddp = ranks(L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", **QUIET).strategy)
+    assert ddp == ("TorchElasticEnvironment", 3, 1, 1, 4)
+    assert ranks(L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=name, **QUIET).strategy) == ddp
+    assert ranks(L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=name).strategy) == ddp
+
+
+def test_a_strategy_object_gets_the_connectors_devices_as_ddps_does() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_accel.strategies import AcceleratedDDPStrategy
+
+    ours = L.Trainer(accelerator="cpu", devices=3, strategy=AcceleratedDDPStrategy(), **QUIET).strategy
+    ddp = L.Trainer(accelerator="cpu", devices=3, strategy=DDPStrategy(), **QUIET).strategy
+    assert ours.parallel_devices == ddp.parallel_devices == [torch.device("cpu")] * 3
+    assert type(ours.accelerator) is type(ddp.accelerator)

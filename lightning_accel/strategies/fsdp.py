@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter, checkpoint_value
+from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter, checkpoint_value, load_target_error
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.lightning_internals import (
@@ -435,11 +435,7 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
             self._fsdp.load_raw_module(Path(self.broadcast(path)), state, strict=strict)
             return {}
         if not isinstance(state, dict):
-            raise ValueError(
-                "acc_fsdp loads an optimizer only together with its sharded model (its state is keyed by the model's"
-                " parameter names): `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`; got"
-                f" {type(state).__name__}."
-            )
+            raise ValueError(load_target_error("acc_fsdp", state))
         path = Path(self.broadcast(path))
         return self._fsdp.load_into(path, state, _single_module(state), strict=strict)
 

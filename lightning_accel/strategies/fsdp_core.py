@@ -419,6 +419,20 @@ def checkpoint_value(value: Any) -> Any:
     return value.state_dict() if isinstance(value, _Stateful) else value
 
 
+def load_target_error(strategy: str, state: Any) -> str:
+    """The message for ``fabric.load``/``load_raw`` into something other than a module or a state dict."""
+    if isinstance(state, Optimizer):
+        return (
+            f"{strategy} loads an optimizer only together with its sharded model (its state is keyed by the model's"
+            f" parameter names): `fabric.load(path, {{'model': model, 'optimizer': optimizer, ...}})`; got"
+            f" {type(state).__name__}."
+        )
+    return (
+        f"{strategy} loads a checkpoint into live objects, `fabric.load(path, {{'model': model, ...}})`, or a plain"
+        f" state-dict file into a model, `fabric.load_raw(path, model)`; got {state!r}."
+    )
+
+
 def _refresh_after_step(module: Module, *_: Any) -> None:
     from lightning_accel.precision.fp8 import refresh_float8_scales
 

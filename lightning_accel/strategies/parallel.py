@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
 from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.fsdp_core import checkpoint_value
+from lightning_accel.strategies.fsdp_core import checkpoint_value, load_target_error
 from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
@@ -363,11 +363,7 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParal
             self._parallel.checkpoints.load_raw_module(Path(self.broadcast(path)), state, strict=strict)
             return {}
         if not isinstance(state, dict):
-            raise ValueError(
-                "acc_parallel loads an optimizer only together with its sharded model (its state is keyed by the"
-                " model's parameter names): `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`; got"
-                f" {type(state).__name__}."
-            )
+            raise ValueError(load_target_error("acc_parallel", state))
         path = Path(self.broadcast(path))
         return self._parallel.checkpoints.load_into(path, state, _single_module(state), strict=strict)
 

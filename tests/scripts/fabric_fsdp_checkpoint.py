@@ -1,9 +1,10 @@
-"""Fabric checkpoints of ``acc_fsdp`` and ``acc_parallel`` against Lightning's ``ddp`` on 2 CPU processes.
+"""Fabric checkpoints of ``acc_fsdp``, ``acc_parallel`` and ``acc_deepspeed_stage_2`` against Lightning's ``ddp``.
 
-Per strategy: train with a torchdata ``StatefulDataLoader``, ``fabric.save`` mid-way, go on, then load the checkpoint
-into fresh objects and train the rest again (the loader must resume where it stopped); ``fabric.load_raw`` of a plain
-``torch.save(model.state_dict())`` file into the set-up model; ``fabric.init_module(empty_init=True)``. Run under
-``torch.distributed.run``; each rank saves ``{variant}_rank{r}.pt``.
+Per strategy, on 2 CPU processes: train with a torchdata ``StatefulDataLoader``, ``fabric.save`` mid-way, go on, then
+load the checkpoint into fresh objects and train the rest again (the loader must resume where it stopped);
+``fabric.load_raw`` of a plain ``torch.save(model.state_dict())`` file into the set-up model;
+``fabric.init_module(empty_init=True)``. ``acc_deepspeed``'s Fabric checkpoints are Lightning's DeepSpeed code, checked
+here for the same gap. Run under ``torch.distributed.run``; each rank saves ``{variant}_rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "fsdp2_full": {"fsdp_version": 2, "state_dict_type": "FULL_STATE_DICT"},
     "fsdp1_full": {"fsdp_version": 1, "state_dict_type": "FULL_STATE_DICT", "use_orig_params": True},
     "parallel": {},
+    "deepspeed": {},  # Lightning's own DeepSpeed checkpoint code (acc_deepspeed inherits it)
 }
 
 
@@ -46,6 +48,8 @@ def make_fabric(variant: str) -> L.Fabric:
     options = VARIANTS[variant]
     if options is None:
         chosen: Any = "ddp"
+    elif variant == "deepspeed":
+        chosen = "acc_deepspeed_stage_2"
     elif variant == "parallel":
         chosen = lightning_accel.strategies.FabricAcceleratedParallelStrategy(ParallelismConfig(dp_shard_size=2))
     else:
@@ -60,7 +64,7 @@ def full_weights(fabric: L.Fabric, model: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     module = model._forward_module
-    if isinstance(module, nn.parallel.DistributedDataParallel):
+    if isinstance(module, nn.parallel.DistributedDataParallel) or type(module).__name__ == "DeepSpeedEngine":
         return {k: v.detach().clone() for k, v in module.module.state_dict().items()}
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in state.items()}
@@ -68,8 +72,12 @@ def full_weights(fabric: L.Fabric, model: Any) -> dict[str, torch.Tensor]:
 
 def setup(fabric: L.Fabric) -> tuple[Any, Any, Any]:
     fabric.seed_everything(7)
-    model = fabric.setup_module(network())
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    if type(fabric.strategy).__name__ == "FabricAcceleratedDeepSpeedStrategy":  # DeepSpeed sets both up at once
+        plain = network()
+        model, optimizer = fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=0.05))
+    else:
+        model = fabric.setup_module(network())
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
     sampler = DistributedSampler(dataset(), num_replicas=fabric.world_size, rank=fabric.global_rank, seed=3)
     loader = fabric.setup_dataloaders(StatefulDataLoader(dataset(), batch_size=4, sampler=sampler))
     return model, optimizer, loader
@@ -79,7 +87,7 @@ def train(fabric: L.Fabric, model: Any, optimizer: Any, batches: Any, steps: int
     losses, seen = [], []
     for _, (x, y) in zip(range(steps), batches, strict=False):
         loss = nn.functional.mse_loss(model(x), y)
-        fabric.backward(loss)
+        fabric.backward(loss, model=model)  # DeepSpeed, with two engines set up, asks which one
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
