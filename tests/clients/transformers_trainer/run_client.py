@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -63,10 +64,10 @@ ACCUM_CLIP = ("--accum", "2", "--max-grad-norm", "0.5")
 RUNS = [
     Run("single", ("--eval", "--save-steps", "4")),
     Run("accum_clip", ACCUM_CLIP),
+    Run("peft", ("--peft",)),
     Run("resume", ("--resume", "single/trainer/checkpoint-4"), after="single"),
     Run("ddp2", (*ACCUM_CLIP, "--eval"), processes=2),
     Run("fsdp2", (*ACCUM_CLIP, "--eval", "--fsdp"), processes=2, sides=("ours",)),
-    Run("peft", ("--peft",)),
     Run("zero2", ("--deepspeed", ZERO2, *ACCUM_CLIP, "--save-steps", "2", "--save-model"), processes=2),
     Run(
         "zero2_resume", ("--deepspeed", ZERO2, *ACCUM_CLIP, "--resume", "zero2/trainer/checkpoint-2"), 2, after="zero2"
@@ -225,19 +226,7 @@ def main() -> int:
         s for s in SCENARIOS if fnmatch.fnmatch(s.id, args.only) or fnmatch.fnmatch(s.id.split("::")[1], args.only)
     ]
     needed = {name for scenario in chosen for name in scenario.runs}
-    outcomes: dict[str, dict[str, Any]] = {}
-    for run in RUNS:
-        if run.name not in needed:
-            continue
-        for side in run.sides:
-            if run.after is not None and not outcomes.get(run.after, {}).get(side, (False,))[0]:
-                outcomes.setdefault(run.name, {})[side] = (False, f"not run: {run.after} failed on {side}", 0.0)
-                continue
-            outcomes.setdefault(run.name, {})[side] = launch(run, side, work)
-            ok, detail, seconds = outcomes[run.name][side]
-            print(
-                f"[{CLIENT}] {run.name:<14} {side:<4} {'ok' if ok else 'FAILED'} {seconds:6.1f} s {detail}", flush=True
-            )
+    outcomes = execute([run for run in RUNS if run.name in needed], work)
     scenarios = [evaluate(scenario, outcomes, work) for scenario in chosen]
     result = {"client": CLIENT, "seconds": round(time.monotonic() - start, 1), "scenarios": scenarios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +235,39 @@ def main() -> int:
         print(f"{'ok ' if s['ok'] else 'NOT'} {s['id']}: {s['detail']}")
     print(f"[{CLIENT}] {sum(s['ok'] for s in scenarios)}/{len(scenarios)} ok in {result['seconds']} s; work in {work}")
     return 0
+
+
+def execute(runs: list[Run], work: Path) -> dict[str, dict[str, Any]]:
+    """Launch every run on each of its sides: one-process runs two at a time (the machine has 2 cores), the others
+    one after the other. A run that resumes another waits for it and is skipped on a side where that one failed.
+    """
+    outcomes: dict[str, dict[str, Any]] = {}
+    batch: list[tuple[Run, str]] = []
+
+    def record(run: Run, side: str, outcome: tuple[bool, str, float]) -> None:
+        outcomes.setdefault(run.name, {})[side] = outcome
+        ok, detail, seconds = outcome
+        print(f"[{CLIENT}] {run.name:<14} {side:<4} {'ok' if ok else 'FAILED'} {seconds:6.1f} s {detail}", flush=True)
+
+    def flush() -> None:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [(run, side, pool.submit(launch, run, side, work)) for run, side in batch]
+        for run, side, future in futures:
+            record(run, side, future.result())
+        batch.clear()
+
+    for run in runs:
+        if run.processes > 1 or run.after is not None:
+            flush()
+        for side in run.sides:
+            if run.after is not None and not outcomes.get(run.after, {}).get(side, (False,))[0]:
+                record(run, side, (False, f"not run: {run.after} failed on {side}", 0.0))
+            elif run.processes == 1:
+                batch.append((run, side))
+            else:
+                record(run, side, launch(run, side, work))
+    flush()
+    return outcomes
 
 
 def evaluate(scenario: Scenario, outcomes: dict[str, dict[str, Any]], work: Path) -> dict[str, Any]:
