@@ -28,6 +28,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         "hf_ddp": 2,
         "ours_ddp": 2,
         "ours_deepspeed": 2,
+        "ours_sharded": 2,
         "plain_deepspeed": 1,
     }
     return found
@@ -63,6 +64,14 @@ def test_deepspeed_engine_trains_checkpoints_and_restores(results: Results) -> N
         assert ours["moved"]  # the steps after the checkpoint changed the weights ...
         _assert_same(ours["after_load_checkpoint"], ours["weights"])  # ... engine.load_checkpoint restored them
         _assert_same(ours["after_load_state"], ours["weights"])  # ... and so did accelerator.load_state
+
+
+def test_clip_grad_norm_is_the_global_norm_under_fsdp1_and_fsdp2(results: Results) -> None:
+    """FSDP1's parameters are flat local shards: its root module computes the norm (each rank got its own before)."""
+    for norms in results["ours_sharded"]:
+        assert norms["fsdp1"] == pytest.approx(norms["ddp"], abs=1e-6)
+        assert norms["fsdp2"] == pytest.approx(norms["ddp"], abs=1e-6)
+    assert results["ours_sharded"][0] == results["ours_sharded"][1]
 
 
 def _clipped(accelerate: Any, reverse: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -2,9 +2,10 @@
 
 Accelerate clips with ``torch.nn.utils.clip_grad_norm_`` over the parameters it is given, in the order given, so the
 float sum of the norms (and with it every clipped weight) depends on that order. The ``Accelerator`` does the same,
-except where the strategy must compute the norm itself: a sharded strategy that clips through its root module
-(FSDP1's ``clip_grad_norm_``) when the parameters are all of a prepared model's, and DeepSpeed, whose engine clipped
-inside ``backward`` (see :mod:`lightning_accel._shim.engine_step`). FSDP2's parameters are ``DTensor`` shards, over
+except where the norm must be computed another way: an FSDP1 model clips through its root module's
+``clip_grad_norm_`` (its parameters are flat local shards) when the parameters are all of the model's, as Accelerate
+does; a strategy that overrides Fabric's clipping (Megatron) clips its own way; DeepSpeed's engine clipped inside
+``backward`` (see :mod:`lightning_accel._shim.engine_step`). FSDP2's parameters are ``DTensor`` shards, over
 which torch's function computes the global norm itself.
 """
 
@@ -17,11 +18,13 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import Strategy
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from lightning_utilities.core.overrides import is_overridden
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.optim import Optimizer
 
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim.module import AcceleratedModule
 from lightning_accel.optimizer import AcceleratedOptimizer
+from lightning_accel.utils.lightning_internals import fabric_forward_module
 
 __all__ = ["GradientControl"]
 
@@ -59,7 +62,12 @@ class GradientControl:
         if _engine_step.engine_steps_in_backward(strategy):
             return _engine_step.global_grad_norm(strategy, max_norm)
         params, owner = self._owner(parameters)
-        if owner is not None and _clips_itself(strategy) and len(params) == len(list(owner.parameters())):
+        whole_model = owner is not None and len(params) == len(list(owner.parameters()))
+        wrapper = fabric_forward_module(owner) if owner is not None else None
+        if whole_model and isinstance(wrapper, FullyShardedDataParallel):  # FSDP1: flat shards, a global norm
+            self.unscale_gradients()
+            return wrapper.clip_grad_norm_(max_norm, norm_type)
+        if owner is not None and whole_model and _clips_itself(strategy):
             norm = self.fabric.clip_gradients(
                 owner, self._optimizers[0].optimizer, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=False
             )
@@ -84,7 +92,7 @@ class GradientControl:
 
 
 def _clips_itself(strategy: Strategy) -> bool:
-    """Whether ``strategy`` computes the norm its own way (FSDP1 through its root module), not torch's function."""
+    """Whether ``strategy`` overrides Fabric's norm clipping (Megatron), rather than using torch's function."""
     return is_overridden("clip_gradients_norm", strategy, parent=Strategy)
 
 

@@ -25,7 +25,7 @@ import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -148,7 +148,7 @@ def _model_state(module: torch.nn.Module, adapter_only: bool, options: Any) -> d
             return dict(get_model_state_dict(module, options=replace(options, ignore_frozen_params=True)))
         from peft import get_peft_model_state_dict
 
-        adapter: str = module.active_adapter  # type: ignore[assignment]  # a PeftModel's attribute, typed Module by torch
+        adapter = cast(str, module.active_adapter)  # a PeftModel's (the module type does not say so)
         return dict(get_peft_model_state_dict(module, adapter_name=adapter))
     if options is not None:
         return dict(get_model_state_dict(module, options=options))

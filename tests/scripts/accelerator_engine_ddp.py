@@ -3,7 +3,8 @@
 Run under ``torch.distributed.run`` with 2 CPU processes. Both frameworks, one after the other in each process, for
 ``ddp``; ``deepspeed`` runs lightning_accel only (HF accelerate 1.15 builds a CPU DeepSpeed engine here for one process
 only, outside ``transformers.Trainer``: the clients stage compares the Trainer's ZeRO runs with HF's), against plain
-PyTorch on one process (``plain_deepspeed_rank0.pt``):
+PyTorch on one process (``plain_deepspeed_rank0.pt``); ``sharded`` is lightning_accel's global gradient norm under
+FSDP1 and FSDP2 against DDP's:
 
 - ``ddp``: the prepared model's own ``no_sync()`` (DDP's, which Accelerate's ``prepare`` returns) around the first of
   two micro-batches, ``clip_grad_norm_`` over the parameters in reverse order, SGD steps;
@@ -114,6 +115,22 @@ def deepspeed_phase(accelerate: Any, folder: Path) -> dict[str, Any]:
     return result
 
 
+def sharded_norms(accelerate: Any) -> dict[str, float]:
+    """``clip_grad_norm_`` over a whole model under DDP, FSDP1 and FSDP2, each rank with its own batch."""
+    norms = {}
+    for name, version in (("ddp", None), ("fsdp1", 1), ("fsdp2", 2)):
+        reset_accelerator_states()
+        plugin = None if version is None else accelerate.utils.FullyShardedDataParallelPlugin(fsdp_version=version)
+        accelerator = accelerate.Accelerator(cpu=True, fsdp_plugin=plugin)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        model, _ = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(accelerator.process_index))
+        accelerator.backward(model(x).pow(2).mean())
+        norms[name] = float(accelerator.clip_grad_norm_(model.parameters(), 0.1))
+    return norms
+
+
 def plain_clipped_sgd() -> dict[str, Any]:
     """The DeepSpeed phase's training as one process of plain PyTorch: both ranks' batches together, clipped at 0.5."""
     net = network()
@@ -140,6 +157,7 @@ def main() -> None:
     for name, module in (("hf", accelerate), ("ours", lightning_accel)):
         reset_accelerator_states()
         torch.save(ddp(module), out / f"{name}_ddp_rank{rank}.pt")
+    torch.save(sharded_norms(lightning_accel), out / f"ours_sharded_rank{rank}.pt")
     if rank == 0:
         torch.save(plain_clipped_sgd(), out / "plain_deepspeed_rank0.pt")
     reset_accelerator_states()
