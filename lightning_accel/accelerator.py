@@ -436,7 +436,8 @@ class Accelerator(
     @contextmanager
     def accumulate(self, *models: Module) -> Generator[None, None, None]:
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
-        prepared = _module.prepared_models(models, self._models)  # refuses a model prepare never saw
+        engines_unwrapped = [self._prepared_wrapper(model) for model in models]  # a DeepSpeed engine -> its wrapper
+        prepared = _module.prepared_models(engines_unwrapped, self._models)  # refuses a model prepare never saw
         self._do_sync()
         if self.sync_gradients or self._syncs_each_batch():
             yield
