@@ -5,7 +5,8 @@ Each runs here at 2 CPU processes over gloo, launched the way Accelerate's tests
 or plain ``python`` with ``ACCELERATE_NUM_PROCESSES=2`` for the notebook launcher's script), once with HF accelerate
 and once with ``accelerate`` resolved to lightning_accel (``LIGHTNING_ACCEL_ALIAS=1`` with ``tests/peer/site`` on
 ``PYTHONPATH``). ``per_function.py`` runs each script's own main block and records every test function it calls, so
-each function is one scenario: ok when it passes on both sides.
+each function is one scenario: ok when it passes on both sides. The external_deps scripts that load ``bert-base-cased``
+and GLUE/MRPC by hub name run beside tiny offline stand-ins of those (``offline/build.py``), unmodified.
 
 Then our own example-style programs (``examples/``, written from what Accelerate's ``examples/`` do) train a tiny
 random BERT classifier at 2 processes under both libraries, and their final weights are compared bit for bit.
@@ -47,6 +48,17 @@ class Script:
     timeout: int = 240
     env: dict[str, str] = field(default_factory=dict)
     not_run: str = ""
+    #: Loads ``bert-base-cased`` and GLUE/MRPC by hub name: run beside the offline stand-ins (``offline/build.py``).
+    offline: bool = False
+    args: tuple[str, ...] = ()
+    #: Scenario name when one script runs more than once (default: its path without ``.py``).
+    name: str = ""
+    #: Name of the earlier run whose working directory (checkpoints included) this run starts from.
+    after: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path.removesuffix(".py")
 
 
 SCRIPTS = [
@@ -59,14 +71,40 @@ SCRIPTS = [
     Script("test_merge_weights.py"),
     Script("test_notebook.py", launcher="python", env={"ACCELERATE_NUM_PROCESSES": "2", "OMP_NUM_THREADS": "1"}),
     Script("external_deps/test_metrics.py"),
-    Script("external_deps/test_checkpointing.py", not_run="loads bert-base-cased and GLUE/MRPC from the hub"),
-    Script("external_deps/test_performance.py", not_run="loads bert-base-cased and GLUE/MRPC from the hub"),
-    Script("external_deps/test_peak_memory_usage.py", not_run="loads bert-base-cased and GLUE/MRPC from the hub"),
-    Script("external_deps/test_ds_multiple_model.py", not_run="loads bert-base-cased and GLUE/MRPC from the hub"),
-    Script("external_deps/test_zero3_integration.py", not_run="loads a GPT-2 from the hub"),
+    # As Accelerate's tests run it: train a partial run that saves epoch_0, then resume it in a fresh launch.
+    Script("external_deps/test_checkpointing.py", offline=True, args=("--partial_train_epoch", "1")),
+    Script(
+        "external_deps/test_checkpointing.py",
+        args=("--resume_from_checkpoint", "epoch_0"),
+        name="external_deps/test_checkpointing_resume",
+        after="external_deps/test_checkpointing",
+    ),
+    Script("external_deps/test_performance.py", offline=True),
+    Script("external_deps/test_peak_memory_usage.py", not_run="measures accelerator memory only: fails on any CPU"),
+    Script(
+        "external_deps/test_ds_multiple_model.py",
+        not_run="reads DeepSpeed configs from Accelerate's repository checkout, not shipped in the package",
+    ),
+    Script("external_deps/test_zero3_integration.py", not_run="initialises an NCCL process group: needs CUDA"),
     Script("external_deps/test_ds_alst_ulysses_sp.py", not_run="loads a Llama from the hub; needs CUDA"),
     Script("external_deps/test_pippy.py", not_run="pipeline parallelism needs CUDA devices"),
 ]
+
+
+def offline_assets(work: Path) -> Path:
+    """The tiny offline model, tokenizer, MRPC and metric (``offline/build.py``), built once per work folder."""
+    assets = work / "offline-assets"
+    if not (assets / "glue" / "glue.py").exists():
+        shutil.rmtree(assets, ignore_errors=True)
+        env = side_environment("hf", {})
+        subprocess.run([sys.executable, str(HERE / "offline" / "build.py"), str(assets)], env=env, check=True)
+    return assets
+
+
+def link_assets(assets: Path, folder: Path) -> None:
+    """Put the stand-ins where the scripts' hub names resolve: their working directory."""
+    for entry in assets.iterdir():
+        (folder / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
 
 
 def scripts_folder() -> Path:
@@ -154,14 +192,24 @@ def read_outcomes(folder: Path, ranks: int) -> dict[str, tuple[str, str]]:
 
 def run_script(script: Script, side: str, work: Path) -> tuple[dict[str, tuple[str, str]], str]:
     """Outcomes of one script on one side, and a note when its launch was stopped."""
-    name = script.path.removesuffix(".py")
+    name = script.label
     folder = work / side / name
     shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    if script.after:
+        ignore = shutil.ignore_patterns("outcomes", "log.txt")
+        shutil.copytree(work / side / script.after, folder, symlinks=True, ignore=ignore)
+    folder.mkdir(parents=True, exist_ok=True)
+    if script.offline:
+        link_assets(offline_assets(work), folder)
     program = [str(HERE / "per_function.py"), str(scripts_folder() / script.path), str(folder / "outcomes")]
+    program += script.args
     command = torchrun(program) if script.launcher == "torchrun" else [sys.executable, *program]
     start = time.monotonic()
-    note = launch(command, folder, side_environment(side, script.env), script.timeout, folder / "log.txt")
+    env = side_environment(side, script.env)
+    if script.offline or script.after:
+        # datasets caches a local dataset under its name: keep the caches in the run's folder, never stale.
+        env["HF_HOME"] = str(folder / "hf-home")
+    note = launch(command, folder, env, script.timeout, folder / "log.txt")
     print(f"  {side:4} {name}: {time.monotonic() - start:.0f} s {note}", flush=True)
     ranks = 2 if script.launcher == "torchrun" else 1
     return read_outcomes(folder / "outcomes", ranks), note
@@ -169,7 +217,7 @@ def run_script(script: Script, side: str, work: Path) -> tuple[dict[str, tuple[s
 
 def compare_script(script: Script, work: Path, only: str) -> list[dict[str, object]]:
     """One scenario per test function the script called on either side."""
-    name = script.path.removesuffix(".py")
+    name = script.label
     if not fnmatch.fnmatch(f"{CLIENT}::{name}::x", only) and not fnmatch.fnmatch(f"{CLIENT}::{name}", only):
         return []
     if script.not_run:
