@@ -417,7 +417,7 @@ class Accelerator(
             return
         if steps != 1 and not _engine_step.engine_steps_in_backward(self.fabric.strategy):
             loss = loss / steps
-        if self._models and all(m._backward_guard is None for m in self._models):
+        if _module.plain_backward(self._models):
             loss.backward(**kwargs)  # the strategy and precision plugin would add nothing around it
             return
         model = self._models[0] if len(self._models) == 1 else None
@@ -438,7 +438,7 @@ class Accelerator(
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
         prepared = _module.prepared_models(models, self._models)  # refuses a model prepare never saw
         self._do_sync()
-        if self.sync_gradients or self._syncs_each_batch():
+        if self.gradient_state.sync_gradients or self._syncs_each_batch():
             yield
             return
         with ExitStack() as stack:
