@@ -410,7 +410,8 @@ class Accelerator(
         Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
         With a LOMO optimizer prepared, ``learning_rate=`` runs its fused backward (:meth:`lomo_backward`).
         """
-        _module.check_backward_after_prepare(self._models)
+        if not self._models:
+            _module.check_backward_after_prepare(self._models)
         steps = self.gradient_state.num_steps
         if kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
