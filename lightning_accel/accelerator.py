@@ -410,14 +410,15 @@ class Accelerator(
         Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
         With a LOMO optimizer prepared, ``learning_rate=`` runs its fused backward (:meth:`lomo_backward`).
         """
-        _module.check_backward_after_prepare(self._models)
+        if not self._models:
+            _module.check_backward_after_prepare(self._models)
         steps = self.gradient_state.num_steps
         if kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
             return
         if steps != 1 and not _engine_step.engine_steps_in_backward(self.fabric.strategy):
             loss = loss / steps
-        if self._models and all(m._backward_guard is None for m in self._models):
+        if _module.plain_backward(self._models):
             loss.backward(**kwargs)  # the strategy and precision plugin would add nothing around it
             return
         model = self._models[0] if len(self._models) == 1 else None
@@ -439,7 +440,7 @@ class Accelerator(
         engines_unwrapped = [self._prepared_wrapper(model) for model in models]  # a DeepSpeed engine -> its wrapper
         prepared = _module.prepared_models(engines_unwrapped, self._models)  # refuses a model prepare never saw
         self._do_sync()
-        if self.sync_gradients or self._syncs_each_batch():
+        if self.gradient_state.sync_gradients or self._syncs_each_batch():
             yield
             return
         with ExitStack() as stack:

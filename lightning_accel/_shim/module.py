@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import Precision
 from lightning.fabric.strategies import Strategy
 from lightning.fabric.wrappers import _FabricModule
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.overrides import is_overridden
 from torch import Tensor
 from torch.nn import Module
@@ -54,6 +56,33 @@ def backward_guard(strategy: Strategy) -> str | None:
     return None
 
 
+_FORWARD_HOOKS = ("convert_input", "forward_context", "autocast_context_manager", "convert_output")
+_PASS_THROUGH_CLASSES: dict[type, bool] = {}
+
+
+def _class_passes_forward_through(cls: type) -> bool:
+    return issubclass(cls, AcceleratePrecision) and all(
+        getattr(cls, name) is getattr(AcceleratePrecision, name) for name in _FORWARD_HOOKS
+    )
+
+
+def passes_forward_through(precision: Precision) -> bool:
+    """Whether Fabric's forward steps are no-ops under ``precision``: fp32 autocast mode, none of the hooks changed.
+
+    Its inputs and outputs are then left as they are and its forward context is ``nullcontext()``.
+    """
+    cls = type(precision)
+    plain = _PASS_THROUGH_CLASSES.get(cls)
+    if plain is None:
+        plain = _PASS_THROUGH_CLASSES[cls] = _class_passes_forward_through(cls)
+    return (
+        plain
+        and precision.mode == "mixed"  # type: ignore[attr-defined]  # an AcceleratePrecision, checked above
+        and precision.compute_dtype == torch.float32  # type: ignore[attr-defined]
+        and vars(precision).keys().isdisjoint(_FORWARD_HOOKS)
+    )
+
+
 def plain_optimizer_step(strategy: Strategy) -> bool:
     """Whether stepping through ``strategy`` and its precision plugin is just ``optimizer.step()``.
 
@@ -77,15 +106,36 @@ class AcceleratedModule(_FabricModule):
     """
 
     _backward_guard: str | None
+    # The strategy, where forward may call the wrapped module directly (see forward); None: Fabric's forward always.
+    _direct_forward_strategy: Strategy | None = None
 
     @classmethod
     def adopt(cls, module: _FabricModule) -> AcceleratedModule:
         """Turn a module Fabric has just set up into this class, in place."""
-        # object.__setattr__: Fabric's __setattr__ would forward both names to the user's module as well.
+        # object.__setattr__: Fabric's __setattr__ would forward these names to the user's module as well.
         object.__setattr__(module, "__class__", cls)
         adopted: AcceleratedModule = module  # type: ignore[assignment]  # its class was just replaced
-        object.__setattr__(adopted, "_backward_guard", backward_guard(lightning_private(adopted, "_strategy")))
+        strategy = lightning_private(adopted, "_strategy")
+        object.__setattr__(adopted, "_backward_guard", backward_guard(strategy))
+        if adopted._modules.get("_forward_module") is fabric_forward_module(adopted):  # where forward reads it
+            object.__setattr__(adopted, "_direct_forward_strategy", strategy)
         return adopted
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Fabric's forward; where its steps would do nothing, the wrapped module's call alone (it runs every step).
+
+        Nothing to do means: the precision plugin converts nothing and enters ``nullcontext()``
+        (:func:`passes_forward_through`), and no backward hook is needed (no backward guard).
+        """
+        strategy = self._direct_forward_strategy
+        if strategy is None or self._backward_guard is not None or not passes_forward_through(strategy.precision):
+            return super().forward(*args, **kwargs)
+        forward_module: Module = self._modules["_forward_module"]  # type: ignore[assignment]  # checked in adopt
+        output = forward_module(*args, **kwargs)
+        if not isinstance(output, Tensor):  # Fabric's walk over the outputs, for its errors (a frozen dataclass)
+            apply_to_collection(output, dtype=Tensor, function=self._register_backward_hook)
+        return output
 
     @override
     def __getattr__(self, item: str) -> Any:
@@ -203,6 +253,14 @@ def prepared_models(models: Sequence[Module], prepared: Sequence[AcceleratedModu
             )
         result.append(wrapper)
     return result
+
+
+def plain_backward(prepared: Sequence[AcceleratedModule]) -> bool:
+    """Whether ``loss.backward()`` is all ``Accelerator.backward`` has to do: models prepared, none with a guard."""
+    for model in prepared:
+        if model._backward_guard is not None:
+            return False
+    return bool(prepared)
 
 
 def check_backward_after_prepare(prepared: Sequence[AcceleratedModule]) -> None:

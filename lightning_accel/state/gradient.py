@@ -56,9 +56,11 @@ class GradientState(_SharedState):
     @property
     def active_dataloader(self) -> Any | None:
         """The innermost data loader being iterated, if any."""
-        live = [ref() for ref in self._references]
-        live = [loader for loader in live if loader is not None]
-        return live[-1] if live else None
+        for ref in reversed(self._references):  # the last live one (read every micro-step: no lists built)
+            loader = ref()
+            if loader is not None:
+                return loader
+        return None
 
     @property
     def in_dataloader(self) -> bool:

@@ -140,6 +140,15 @@ def send_to_device(
     """
     if isinstance(tensor, Tensor):
         return tensor.to(device, non_blocking=non_blocking)
+    if skip_keys is None and type(tensor) in (list, tuple):  # a loader's usual batch, moved every step
+        return type(tensor)(
+            [
+                t.to(device, non_blocking=non_blocking)
+                if isinstance(t, Tensor)
+                else send_to_device(t, device, non_blocking)
+                for t in tensor
+            ]
+        )
     skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
     if isinstance(tensor, (list, tuple)):
         return _rebuild(tensor, [send_to_device(t, device, non_blocking, skip_keys) for t in tensor])
