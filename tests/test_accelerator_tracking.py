@@ -55,6 +55,7 @@ def _tracker_env(root: Path) -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def tracker_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    _wandb_teardown()  # an earlier test file may have left wandb set up for its own folders
     for name in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_TAGS", "MLFLOW_NESTED_RUN"):
         monkeypatch.delenv(name, raising=False)
     for name, value in _tracker_env(tmp_path).items():
