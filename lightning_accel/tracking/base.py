@@ -6,7 +6,7 @@ import abc
 import functools
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from typing_extensions import override
@@ -90,6 +90,14 @@ class GeneralTracker:
         """Close the run."""
 
 
+class _Table(NamedTuple):
+    """A table as ``log_table`` receives it: a header and rows, or a dataframe."""
+
+    columns: list[str] | None
+    data: list[list[Any]] | None
+    dataframe: Any
+
+
 class _RunTracker(GeneralTracker, abc.ABC):
     """A tracker over one run object of its package, opened by ``start`` and closed by ``finish``.
 
@@ -148,3 +156,24 @@ class _RunTracker(GeneralTracker, abc.ABC):
     @on_main_process
     def finish(self) -> None:
         self._close_run()
+
+
+class _TableTracker(_RunTracker):
+    """A run tracker that also logs tables, with Accelerate's ``log_table`` signature."""
+
+    @on_main_process
+    def log_table(
+        self,
+        table_name: str,
+        columns: list[str] | None = None,
+        data: list[list[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Log a table built from ``columns`` and ``data`` (rows), or from ``dataframe``."""
+        self._log_table(table_name, _Table(columns, data, dataframe), step, kwargs)
+
+    @abc.abstractmethod
+    def _log_table(self, table_name: str, table: _Table, step: int | None, kwargs: dict[str, Any]) -> None:
+        """Log ``table`` under ``table_name`` at ``step`` in the open run."""

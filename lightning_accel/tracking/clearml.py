@@ -18,7 +18,13 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import (
+    _Table,
+    _TableTracker,
+    as_python_scalar,
+    import_tracker_package,
+    on_main_process,
+)
 
 __all__ = ["CLEARML_INSTALL", "ClearMLTracker"]
 
@@ -39,7 +45,7 @@ def title_and_series(name: str) -> tuple[str, str]:
     return name, "train"
 
 
-class ClearMLTracker(_RunTracker):
+class ClearMLTracker(_TableTracker):
     """A ClearML task: the process's current one, or ``Task.init(project_name=..., task_name=..., **kwargs)``.
 
     Args:
@@ -106,16 +112,8 @@ class ClearMLTracker(_RunTracker):
             title, series = title_and_series(key)
             clearml_logger.report_image(title=title, series=series, iteration=step, image=image, **kwargs)
 
-    @on_main_process
-    def log_table(
-        self,
-        table_name: str,
-        columns: list[str] | None = None,
-        data: list[list[Any]] | None = None,
-        dataframe: Any = None,
-        step: int | None = None,
-        **kwargs: Any,
-    ) -> None:
+    @override
+    def _log_table(self, table_name: str, table: _Table, step: int | None, kwargs: dict[str, Any]) -> None:
         """Report a table from ``dataframe``, or from ``data`` with ``columns`` as its header.
 
         Without ``columns``, the first row of ``data`` is the header.
@@ -124,13 +122,13 @@ class ClearMLTracker(_RunTracker):
             ValueError: If neither ``dataframe`` nor ``data`` is given.
 
         """
-        table = dataframe
-        if table is None:
-            if data is None:
+        plot = table.dataframe
+        if plot is None:
+            if table.data is None:
                 raise ValueError(f"ClearMLTracker.log_table({table_name!r}) needs `data` (rows) or a `dataframe`.")
-            table = [columns, *data] if columns else data
+            plot = [table.columns, *table.data] if table.columns else table.data
         title, series = title_and_series(table_name)
-        self.run.get_logger().report_table(title=title, series=series, table_plot=table, iteration=step, **kwargs)
+        self.run.get_logger().report_table(title=title, series=series, table_plot=plot, iteration=step, **kwargs)
 
     @override
     def _close_run(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _RunTracker, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _Table, _TableTracker, import_tracker_package, on_main_process
 
 __all__ = ["WANDB_INSTALL", "WandBTracker"]
 
@@ -24,7 +24,7 @@ def _wandb() -> Any:
     return import_tracker_package("wandb", WANDB_INSTALL)
 
 
-class WandBTracker(_RunTracker):
+class WandBTracker(_TableTracker):
     """A wandb run: ``wandb.init(project=run_name, **kwargs)``; offline with ``WANDB_MODE=offline``.
 
     Args:
@@ -69,16 +69,8 @@ class WandBTracker(_RunTracker):
         for key, images in values.items():
             self.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
 
-    @on_main_process
-    def log_table(
-        self,
-        table_name: str,
-        columns: list[str] | None = None,
-        data: list[list[Any]] | None = None,
-        dataframe: Any = None,
-        step: int | None = None,
-        **kwargs: Any,
-    ) -> None:
+    @override
+    def _log_table(self, table_name: str, table: _Table, step: int | None, kwargs: dict[str, Any]) -> None:
         """Log a ``wandb.Table`` built from ``columns`` and ``data``, or from ``dataframe``."""
-        table = _wandb().Table(columns=columns, data=data, dataframe=dataframe)
-        self.log({table_name: table}, step=step, **kwargs)
+        wandb_table = _wandb().Table(columns=table.columns, data=table.data, dataframe=table.dataframe)
+        self.log({table_name: wandb_table}, step=step, **kwargs)
