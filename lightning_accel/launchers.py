@@ -151,12 +151,17 @@ def _check_worker_environment(num_processes: int, start_method: str, device: str
     try:
         start_processes(_empty_worker, args=(), nprocs=num_processes, start_method=start_method)
     except ProcessRaisedException as err:
-        if f"Cannot re-initialize {device.upper()} in forked subprocess" in str(err):
-            raise RuntimeError(
-                f"{device.upper()} was initialised in this process before the workers were forked (usually by an "
-                "import or a device call in an earlier cell): move it inside the launched function and restart"
-            ) from err
-        raise RuntimeError(f"Empty workers could not start, so the launch would fail too: {err}") from err
+        raise _worker_failure(err, device, "Empty workers could not start, so the launch would fail too") from err
+
+
+def _worker_failure(err: Exception, device: str, what: str) -> RuntimeError:
+    """The error to raise for a forked worker's ``err``: the device-initialised-too-early fix, or ``what: err``."""
+    if f"Cannot re-initialize {device.upper()} in forked subprocess" in str(err):
+        return RuntimeError(
+            f"{device.upper()} was initialised in this process before the workers were forked (usually by an "
+            "import or a device call in an earlier cell): move it inside the launched function and restart"
+        )
+    return RuntimeError(f"{what}: {err}")
 
 
 def _empty_worker(index: int) -> None:
@@ -314,12 +319,7 @@ def _launch_workers(
         try:
             elastic_launch(config=config, entrypoint=function)(*args)
         except ProcessRaisedException as err:
-            if f"Cannot re-initialize {device.upper()} in forked subprocess" in str(err):
-                raise RuntimeError(
-                    f"{device.upper()} was initialised in this process before the workers were forked: move the "
-                    "import or device call inside the launched function and restart"
-                ) from err
-            raise RuntimeError(f"A worker failed: {err}") from err
+            raise _worker_failure(err, device, "A worker failed") from err
 
 
 class _DebugWorker:

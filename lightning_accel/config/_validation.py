@@ -12,13 +12,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 
-def check_bool(name: str, value: object, *, optional: bool = False) -> None:
-    """Require ``value`` to be a ``bool`` (or ``None`` when ``optional``)."""
+def _check_instance(name: str, value: object, kind: type, label: str, *, optional: bool) -> None:
     if value is None and optional:
         return
-    if not isinstance(value, bool):
-        expected = "a bool or None" if optional else "a bool"
+    if not isinstance(value, kind):
+        expected = f"{label} or None" if optional else label
         raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def check_bool(name: str, value: object, *, optional: bool = False) -> None:
+    """Require ``value`` to be a ``bool`` (or ``None`` when ``optional``)."""
+    _check_instance(name, value, bool, "a bool", optional=optional)
 
 
 def _check_int_type(name: str, value: object, requirement: str) -> int:
@@ -85,11 +89,7 @@ def check_choice(name: str, value: object, allowed: Iterable[Any]) -> None:
 
 def check_str(name: str, value: object, *, optional: bool = False) -> None:
     """Require a ``str`` (or ``None`` when ``optional``)."""
-    if value is None and optional:
-        return
-    if not isinstance(value, str):
-        expected = "a string or None" if optional else "a string"
-        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    _check_instance(name, value, str, "a string", optional=optional)
 
 
 def check_callable(name: str, value: object, *, optional: bool = True) -> None:

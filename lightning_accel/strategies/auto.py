@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from lightning.fabric.strategies import Strategy as FabricStrategy
 from lightning.pytorch.strategies import Strategy
@@ -25,7 +25,30 @@ from lightning_accel.strategies.registry import StrategyEntry
 _ConfigSource = str | os.PathLike[str] | Any
 
 
-class AcceleratedAutoStrategy(Strategy):
+class _BuiltFromEnvironment:
+    """Construction of an ``acc_auto`` class: it returns the strategy the environment describes, not an instance.
+
+    ``_fabric`` says whether the Trainer or the Fabric strategy is built.
+    """
+
+    _fabric: ClassVar[bool]
+
+    def __new__(  # type: ignore[misc]
+        cls,
+        *,
+        strategy_name: str = "acc_auto",
+        config_file: _ConfigSource | None = None,
+        environ: Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> Strategy | FabricStrategy:
+        """Return the strategy :func:`~lightning_accel.strategies.arguments.strategy_from_env` builds."""
+        from lightning_accel.strategies.arguments import strategy_from_env
+
+        del strategy_name  # the built strategy keeps its own name
+        return strategy_from_env(fabric=cls._fabric, config=config_file, environ=environ, **options)
+
+
+class AcceleratedAutoStrategy(_BuiltFromEnvironment, Strategy):
     """Builds the Trainer strategy the environment describes; constructing it returns that strategy.
 
     Args:
@@ -40,35 +63,13 @@ class AcceleratedAutoStrategy(Strategy):
 
     """
 
-    def __new__(  # type: ignore[misc]
-        cls,
-        *,
-        strategy_name: str = "acc_auto",
-        config_file: _ConfigSource | None = None,
-        environ: Mapping[str, str] | None = None,
-        **options: Any,
-    ) -> Strategy:
-        """Return the strategy :func:`~lightning_accel.strategies.arguments.strategy_from_env` builds."""
-        from lightning_accel.strategies.arguments import strategy_from_env
-
-        return strategy_from_env(fabric=False, config=config_file, environ=environ, **options)
+    _fabric = False
 
 
-class FabricAcceleratedAutoStrategy(FabricStrategy):
+class FabricAcceleratedAutoStrategy(_BuiltFromEnvironment, FabricStrategy):
     """Fabric twin of :class:`AcceleratedAutoStrategy`; constructing it returns the Fabric strategy."""
 
-    def __new__(  # type: ignore[misc]
-        cls,
-        *,
-        strategy_name: str = "acc_auto",
-        config_file: _ConfigSource | None = None,
-        environ: Mapping[str, str] | None = None,
-        **options: Any,
-    ) -> FabricStrategy:
-        """Return the Fabric strategy :func:`~lightning_accel.strategies.arguments.strategy_from_env` builds."""
-        from lightning_accel.strategies.arguments import strategy_from_env
-
-        return strategy_from_env(fabric=True, config=config_file, environ=environ, **options)
+    _fabric = True
 
 
 # The classes only dispatch in `__new__` and are never instantiated themselves, so their abstract methods stay unset.

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.accelerators import Accelerator as _FabricAccelerator
@@ -182,54 +183,46 @@ def _check_one_device(count: int) -> None:
         )
 
 
-class PJRTAccelerator(_TrainerXLAAccelerator):
+class _PJRTDevices:
+    """Device counting of any PJRT runtime (TPU, or CPU), shared by the Trainer and Fabric XLA accelerators.
+
+    ``_lightning_count`` is Lightning's own (TPU) counter, asked first.
+    """
+
+    _lightning_count: ClassVar[Callable[[], int]]
+
+    @classmethod
+    def auto_device_count(cls) -> int:
+        """The PJRT runtime's device count."""
+        require_torch_xla()
+        return _pjrt_device_count(cls._lightning_count)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether torch_xla is installed and its runtime has a device."""
+        return importlib.util.find_spec("torch_xla") is not None and cls.auto_device_count() > 0
+
+    @classmethod
+    def parse_devices(cls, devices: int | str | list[int]) -> int | list[int]:
+        """``devices`` checked against the runtime's device count."""
+        return _parse_pjrt_devices(devices, cls.auto_device_count())
+
+    @classmethod
+    def get_parallel_devices(cls, devices: int | list[int]) -> list[torch.device]:
+        """The XLA devices ``devices`` names."""
+        return _xla_devices(cls.parse_devices(devices))
+
+
+class PJRTAccelerator(_PJRTDevices, _TrainerXLAAccelerator):  # type: ignore[misc]  # classmethods for staticmethods
     """Lightning's Trainer ``XLAAccelerator``, counting the devices of any PJRT runtime (TPU, or CPU)."""
 
-    @staticmethod
-    @override
-    def auto_device_count() -> int:  # type: ignore[override]  # Lightning caches its own (lru_cache)
-        require_torch_xla()
-        return _pjrt_device_count(_TrainerXLAAccelerator.auto_device_count)
-
-    @staticmethod
-    @override
-    def is_available() -> bool:  # type: ignore[override]  # Lightning caches its own (lru_cache)
-        return importlib.util.find_spec("torch_xla") is not None and PJRTAccelerator.auto_device_count() > 0
-
-    @staticmethod
-    @override
-    def parse_devices(devices: int | str | list[int]) -> int | list[int]:
-        return _parse_pjrt_devices(devices, PJRTAccelerator.auto_device_count())
-
-    @staticmethod
-    @override
-    def get_parallel_devices(devices: int | list[int]) -> list[torch.device]:
-        return _xla_devices(_parse_pjrt_devices(devices, PJRTAccelerator.auto_device_count()))
+    _lightning_count = staticmethod(_TrainerXLAAccelerator.auto_device_count)
 
 
-class FabricPJRTAccelerator(_FabricXLAAccelerator):
+class FabricPJRTAccelerator(_PJRTDevices, _FabricXLAAccelerator):  # type: ignore[misc]  # as PJRTAccelerator
     """Fabric twin of :class:`PJRTAccelerator`."""
 
-    @staticmethod
-    @override
-    def auto_device_count() -> int:  # type: ignore[override]  # Lightning caches its own (lru_cache)
-        require_torch_xla()
-        return _pjrt_device_count(_FabricXLAAccelerator.auto_device_count)
-
-    @staticmethod
-    @override
-    def is_available() -> bool:  # type: ignore[override]  # Lightning caches its own (lru_cache)
-        return importlib.util.find_spec("torch_xla") is not None and FabricPJRTAccelerator.auto_device_count() > 0
-
-    @staticmethod
-    @override
-    def parse_devices(devices: int | str | list[int]) -> int | list[int]:
-        return _parse_pjrt_devices(devices, FabricPJRTAccelerator.auto_device_count())
-
-    @staticmethod
-    @override
-    def get_parallel_devices(devices: int | list[int]) -> list[torch.device]:
-        return _xla_devices(_parse_pjrt_devices(devices, FabricPJRTAccelerator.auto_device_count()))
+    _lightning_count = staticmethod(_FabricXLAAccelerator.auto_device_count)
 
 
 class AcceleratedXLAStrategy(_TrainerXLAStrategy):

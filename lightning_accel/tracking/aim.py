@@ -13,7 +13,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, as_python_scalar, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package, on_main_process
 
 __all__ = ["AIM_INSTALL", "AimTracker"]
 
@@ -24,7 +24,7 @@ def _aim() -> Any:
     return import_tracker_package("aim", AIM_INSTALL)
 
 
-class AimTracker(GeneralTracker):
+class AimTracker(_RunTracker):
     """An Aim run in the repository at ``logging_dir``: ``aim.Run(repo=logging_dir, **kwargs)``.
 
     Args:
@@ -39,40 +39,35 @@ class AimTracker(GeneralTracker):
     requires_logging_directory = True
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike[str] | None = ".", **kwargs: Any) -> None:
-        self.run_name = run_name
         self.aim_repo_path = kwargs.pop("repo", logging_dir)
-        self.init_kwargs = kwargs
-        self.writer: Any = None
-
-    @override
-    @on_main_process
-    def start(self) -> None:
-        repo = None if self.aim_repo_path is None else str(self.aim_repo_path)
-        self.writer = _aim().Run(repo=repo, **self.init_kwargs)
-        self.writer.name = self.run_name
+        super().__init__(run_name, **kwargs)
 
     @property
-    @override
-    def tracker(self) -> Any:
-        """The ``aim.Run``."""
-        return self.writer
+    def writer(self) -> Any:
+        """The ``aim.Run`` (Accelerate's attribute name)."""
+        return self.run
 
     @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def _open_run(self) -> Any:
+        repo = None if self.aim_repo_path is None else str(self.aim_repo_path)
+        run = _aim().Run(repo=repo, **self.init_kwargs)
+        run.name = self.run_name
+        return run
+
+    @override
+    def _store_config(self, values: dict[str, Any]) -> None:
         """Store ``values`` as the run's ``"hparams"`` attribute."""
-        self.writer["hparams"] = dict(values)
+        self.run["hparams"] = values
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """One ``Run.track(value, name=key, step=step, **kwargs)`` per value.
 
         Aim takes numbers (one-element tensors are turned into them) and Aim objects such as ``aim.Text``; it raises
         ``ValueError`` for anything else.
         """
         for key, value in values.items():
-            self.writer.track(as_python_scalar(value), name=key, step=step, **kwargs)
+            self.run.track(as_python_scalar(value), name=key, step=step, **kwargs)
 
     @on_main_process
     def log_images(
@@ -92,9 +87,8 @@ class AimTracker(GeneralTracker):
         track_kwargs = dict((kwargs or {}).get("track", {}))
         for key, value in values.items():
             image, caption = value if isinstance(value, tuple) else (value, "")
-            self.writer.track(aim.Image(image, caption=caption, **image_kwargs), name=key, step=step, **track_kwargs)
+            self.run.track(aim.Image(image, caption=caption, **image_kwargs), name=key, step=step, **track_kwargs)
 
     @override
-    @on_main_process
-    def finish(self) -> None:
-        self.writer.close()
+    def _close_run(self) -> None:
+        self.run.close()

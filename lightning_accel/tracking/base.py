@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
+from typing_extensions import override
 
 from lightning_accel.state import PartialState
 
@@ -86,3 +88,92 @@ class GeneralTracker:
 
     def finish(self) -> None:
         """Close the run."""
+
+
+class _Table(NamedTuple):
+    """A table as ``log_table`` receives it: a header and rows, or a dataframe."""
+
+    columns: list[str] | None
+    data: list[list[Any]] | None
+    dataframe: Any
+
+
+class _RunTracker(GeneralTracker, abc.ABC):
+    """A tracker over one run object of its package, opened by ``start`` and closed by ``finish``.
+
+    The public methods are gated by :func:`on_main_process` here, once; a subclass says only how its package opens
+    the run (``_open_run``), stores the configuration (``_store_config``), logs values (``_log_values``) and closes
+    the run (``_close_run``, by default ``run.finish()``).
+
+    Args:
+        run_name: The project name given to ``init_trackers``.
+        **init_kwargs: The tracker's ``init_kwargs`` entry, for the package's run constructor.
+
+    """
+
+    def __init__(self, run_name: str | None, **init_kwargs: Any) -> None:
+        self.run_name = run_name
+        self.init_kwargs = init_kwargs
+        self.run: Any = None
+
+    @abc.abstractmethod
+    def _open_run(self) -> Any:
+        """Open and return the package's run object."""
+
+    @abc.abstractmethod
+    def _store_config(self, values: dict[str, Any]) -> Any:
+        """Record ``values`` in the open run."""
+
+    @abc.abstractmethod
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
+        """Record ``values`` at ``step`` in the open run, with the package's own keyword arguments."""
+
+    def _close_run(self) -> None:
+        self.run.finish()
+
+    @override
+    @on_main_process
+    def start(self) -> None:
+        self.run = self._open_run()
+
+    @property
+    @override
+    def tracker(self) -> Any:
+        """The package's run object (``None`` before ``start`` and off the main process)."""
+        return self.run
+
+    @override
+    @on_main_process
+    def store_init_configuration(self, values: Mapping[str, Any]) -> Any:
+        return self._store_config(dict(values))
+
+    @override
+    @on_main_process
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self._log_values(values, step, kwargs)
+
+    @override
+    @on_main_process
+    def finish(self) -> None:
+        self._close_run()
+
+
+class _TableTracker(_RunTracker):
+    """A run tracker that also logs tables, with Accelerate's ``log_table`` signature."""
+
+    @on_main_process
+    def log_table(
+        self,
+        table_name: str,
+        columns: list[str] | None = None,
+        data: list[list[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Log a table built from ``columns`` and ``data`` (rows), or from ``dataframe``."""
+        self._log_table(table_name, _Table(columns, data, dataframe), step, kwargs)
+
+    @abc.abstractmethod
+    def _log_table(self, table_name: str, table: _Table, step: int | None, kwargs: dict[str, Any]) -> None:
+        """Log ``table`` under ``table_name`` at ``step`` in the open run."""

@@ -18,7 +18,13 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, as_python_scalar, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import (
+    _Table,
+    _TableTracker,
+    as_python_scalar,
+    import_tracker_package,
+    on_main_process,
+)
 
 __all__ = ["CLEARML_INSTALL", "ClearMLTracker"]
 
@@ -39,7 +45,7 @@ def title_and_series(name: str) -> tuple[str, str]:
     return name, "train"
 
 
-class ClearMLTracker(GeneralTracker):
+class ClearMLTracker(_TableTracker):
     """A ClearML task: the process's current one, or ``Task.init(project_name=..., task_name=..., **kwargs)``.
 
     Args:
@@ -54,48 +60,43 @@ class ClearMLTracker(GeneralTracker):
     requires_logging_directory = False
 
     def __init__(self, run_name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(run_name, **kwargs)
         self.user_provided_run_name = run_name
-        self.init_kwargs = kwargs
-        self.task: Any = None
         self._initialized_externally = False
 
+    @property
+    def task(self) -> Any:
+        """The ``clearml.Task`` (Accelerate's attribute name)."""
+        return self.run
+
     @override
-    @on_main_process
-    def start(self) -> None:
+    def _open_run(self) -> Any:
         task_class = _task_class()
         current = task_class.current_task()
         if current is not None:
-            self.task, self._initialized_externally = current, True
-            return
+            self._initialized_externally = True
+            return current
         kwargs = dict(self.init_kwargs)
-        kwargs.setdefault("project_name", os.environ.get("CLEARML_PROJECT", self.user_provided_run_name))
-        kwargs.setdefault("task_name", os.environ.get("CLEARML_TASK", self.user_provided_run_name))
-        self.task = task_class.init(**kwargs)
-
-    @property
-    @override
-    def tracker(self) -> Any:
-        """The ``clearml.Task``."""
-        return self.task
+        kwargs.setdefault("project_name", os.environ.get("CLEARML_PROJECT", self.run_name))
+        kwargs.setdefault("task_name", os.environ.get("CLEARML_TASK", self.run_name))
+        return task_class.init(**kwargs)
 
     @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> Any:
+    def _store_config(self, values: dict[str, Any]) -> Any:
         """Connect ``values`` as the task's configuration; returns what ClearML returns (the connected values)."""
-        return self.task.connect_configuration(dict(values))
+        return self.run.connect_configuration(values)
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """Numbers (and one-element tensors) as scalars at ``step``, or as single values without one.
 
         Other values are dropped with a warning, as Accelerate drops them (ClearML's scalars are numbers only).
         """
-        clearml_logger = self.task.get_logger()
+        clearml_logger = self.run.get_logger()
         for key, raw in values.items():
             value = as_python_scalar(raw)
             if not isinstance(value, numbers.Real):
-                warnings.warn(f"ClearML logs numbers only: {key}={type(raw).__name__} is dropped.", stacklevel=3)
+                warnings.warn(f"ClearML logs numbers only: {key}={type(raw).__name__} is dropped.", stacklevel=4)
                 continue
             if step is None:
                 clearml_logger.report_single_value(name=key, value=value, **kwargs)
@@ -106,21 +107,13 @@ class ClearMLTracker(GeneralTracker):
     @on_main_process
     def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """Report each value (a numpy array or PIL image) with ``Logger.report_image`` at ``step``."""
-        clearml_logger = self.task.get_logger()
+        clearml_logger = self.run.get_logger()
         for key, image in values.items():
             title, series = title_and_series(key)
             clearml_logger.report_image(title=title, series=series, iteration=step, image=image, **kwargs)
 
-    @on_main_process
-    def log_table(
-        self,
-        table_name: str,
-        columns: list[str] | None = None,
-        data: list[list[Any]] | None = None,
-        dataframe: Any = None,
-        step: int | None = None,
-        **kwargs: Any,
-    ) -> None:
+    @override
+    def _log_table(self, table_name: str, table: _Table, step: int | None, kwargs: dict[str, Any]) -> None:
         """Report a table from ``dataframe``, or from ``data`` with ``columns`` as its header.
 
         Without ``columns``, the first row of ``data`` is the header.
@@ -129,17 +122,16 @@ class ClearMLTracker(GeneralTracker):
             ValueError: If neither ``dataframe`` nor ``data`` is given.
 
         """
-        table = dataframe
-        if table is None:
-            if data is None:
+        plot = table.dataframe
+        if plot is None:
+            if table.data is None:
                 raise ValueError(f"ClearMLTracker.log_table({table_name!r}) needs `data` (rows) or a `dataframe`.")
-            table = [columns, *data] if columns else data
+            plot = [table.columns, *table.data] if table.columns else table.data
         title, series = title_and_series(table_name)
-        self.task.get_logger().report_table(title=title, series=series, table_plot=table, iteration=step, **kwargs)
+        self.run.get_logger().report_table(title=title, series=series, table_plot=plot, iteration=step, **kwargs)
 
     @override
-    @on_main_process
-    def finish(self) -> None:
+    def _close_run(self) -> None:
         """Close the task, unless it was started outside this tracker."""
-        if self.task is not None and not self._initialized_externally:
-            self.task.close()
+        if self.run is not None and not self._initialized_externally:
+            self.run.close()

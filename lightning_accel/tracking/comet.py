@@ -11,17 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package
 
 __all__ = ["COMET_INSTALL", "CometMLTracker"]
 
 COMET_INSTALL = "pip install comet_ml"
 
 
-class CometMLTracker(GeneralTracker):
+class CometMLTracker(_RunTracker):
     """A Comet experiment: ``comet_ml.start(project_name=run_name, **kwargs)``.
 
     Args:
@@ -34,31 +33,22 @@ class CometMLTracker(GeneralTracker):
     name = "comet_ml"
     requires_logging_directory = False
 
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.writer: Any = None
-
-    @override
-    @on_main_process
-    def start(self) -> None:
-        comet_ml = import_tracker_package("comet_ml", COMET_INSTALL)
-        self.writer = comet_ml.start(project_name=self.run_name, **self.init_kwargs)
-
     @property
-    @override
-    def tracker(self) -> Any:
-        """The Comet experiment."""
-        return self.writer
+    def writer(self) -> Any:
+        """The Comet experiment (Accelerate's attribute name)."""
+        return self.run
 
     @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
-        self.writer.log_parameters(dict(values))
+    def _open_run(self) -> Any:
+        comet_ml = import_tracker_package("comet_ml", COMET_INSTALL)
+        return comet_ml.start(project_name=self.run_name, **self.init_kwargs)
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _store_config(self, values: dict[str, Any]) -> None:
+        self.run.log_parameters(values)
+
+    @override
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """Numbers (and one-element tensors) as metrics, strings as "other" values, dicts of numbers as metrics.
 
         Raises:
@@ -66,20 +56,18 @@ class CometMLTracker(GeneralTracker):
 
         """
         if step is not None:
-            self.writer.set_step(step)
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
+            self.run.set_step(step)
+        for key, raw in values.items():
+            value = as_python_scalar(raw)
             if isinstance(value, (int, float)):
-                self.writer.log_metric(key, value, step=step, **kwargs)
+                self.run.log_metric(key, value, step=step, **kwargs)
             elif isinstance(value, str):
-                self.writer.log_other(key, value, **kwargs)
+                self.run.log_other(key, value, **kwargs)
             elif isinstance(value, dict):
-                self.writer.log_metrics(value, step=step, **kwargs)
+                self.run.log_metrics(value, step=step, **kwargs)
             else:
                 raise TypeError(f"Comet cannot log {key}={type(value).__name__}; log numbers, strings or dicts.")
 
     @override
-    @on_main_process
-    def finish(self) -> None:
-        self.writer.end()
+    def _close_run(self) -> None:
+        self.run.end()

@@ -14,14 +14,14 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, as_python_scalar, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package
 
 __all__ = ["DVCLIVE_INSTALL", "DVCLiveTracker"]
 
 DVCLIVE_INSTALL = "pip install dvclive"
 
 
-class DVCLiveTracker(GeneralTracker):
+class DVCLiveTracker(_RunTracker):
     """A ``dvclive.Live``: ``live`` if given, else ``Live(**kwargs)``.
 
     Args:
@@ -35,31 +35,28 @@ class DVCLiveTracker(GeneralTracker):
     requires_logging_directory = False
 
     def __init__(self, run_name: str | None = None, live: Any | None = None, **kwargs: Any) -> None:
+        super().__init__(None, **kwargs)
         del run_name
-        self.live: Any = live
-        self.init_kwargs = kwargs
-
-    @override
-    @on_main_process
-    def start(self) -> None:
-        if self.live is None:
-            self.live = import_tracker_package("dvclive", DVCLIVE_INSTALL).Live(**self.init_kwargs)
+        self.run = live
 
     @property
-    @override
-    def tracker(self) -> Any:
-        """The ``dvclive.Live``."""
-        return self.live
+    def live(self) -> Any:
+        """The ``dvclive.Live`` (Accelerate's attribute name)."""
+        return self.run
 
     @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def _open_run(self) -> Any:
+        if self.run is not None:
+            return self.run
+        return import_tracker_package("dvclive", DVCLIVE_INSTALL).Live(**self.init_kwargs)
+
+    @override
+    def _store_config(self, values: dict[str, Any]) -> None:
         """Write ``values`` with ``Live.log_params`` (``params.yaml``)."""
-        self.live.log_params(dict(values))
+        self.run.log_params(values)
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """Log the values DVCLive takes as metrics at ``step`` (else the current step), then advance one step.
 
         Values DVCLive cannot log as a metric are dropped with a warning, as Accelerate drops them.
@@ -67,16 +64,15 @@ class DVCLiveTracker(GeneralTracker):
         from dvclive.plots import Metric
 
         if step is not None:
-            self.live.step = step
+            self.run.step = step
         for key, raw in values.items():
             value = as_python_scalar(raw)
             if Metric.could_log(value):
-                self.live.log_metric(key, value, **kwargs)
+                self.run.log_metric(key, value, **kwargs)
             else:
-                warnings.warn(f"DVCLive cannot log {key}={type(raw).__name__} as a metric: dropped.", stacklevel=3)
-        self.live.next_step()
+                warnings.warn(f"DVCLive cannot log {key}={type(raw).__name__} as a metric: dropped.", stacklevel=4)
+        self.run.next_step()
 
     @override
-    @on_main_process
-    def finish(self) -> None:
-        self.live.end()
+    def _close_run(self) -> None:
+        self.run.end()

@@ -17,10 +17,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package, on_main_process
 
 __all__ = ["MLFLOW_INSTALL", "MLflowTracker"]
 
@@ -49,12 +48,11 @@ def _env_tags(tags: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
 
 
 def _as_number(value: Any) -> float | None:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
+    value = as_python_scalar(value)
     return float(value) if isinstance(value, numbers.Real) else None
 
 
-class MLflowTracker(GeneralTracker):
+class MLflowTracker(_RunTracker):
     """An active MLflow run in the experiment ``experiment_name`` (created when missing).
 
     Args:
@@ -81,14 +79,18 @@ class MLflowTracker(GeneralTracker):
         run_name: str | None = None,
         description: str | None = None,
     ) -> None:
+        super().__init__(run_name)
         self.experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", experiment_name)
         self.logging_dir = None if logging_dir is None else os.fspath(logging_dir)
         self.run_id = os.environ.get("MLFLOW_RUN_ID", run_id)
         self.tags = _env_tags(tags)
         self.nested_run = _env_flag("MLFLOW_NESTED_RUN", nested_run)
-        self.run_name = run_name
         self.description = description
-        self.active_run: Any = None
+
+    @property
+    def active_run(self) -> Any:
+        """The ``mlflow.ActiveRun`` (Accelerate's attribute name)."""
+        return self.run
 
     def _experiment_id(self, mlflow: Any) -> str | None:
         if self.experiment_name is None:
@@ -101,10 +103,9 @@ class MLflowTracker(GeneralTracker):
         )
 
     @override
-    @on_main_process
-    def start(self) -> None:
+    def _open_run(self) -> Any:
         mlflow = _mlflow()
-        self.active_run = mlflow.start_run(
+        return mlflow.start_run(
             run_id=self.run_id,
             experiment_id=self._experiment_id(mlflow),
             run_name=self.run_name,
@@ -113,15 +114,8 @@ class MLflowTracker(GeneralTracker):
             description=self.description,
         )
 
-    @property
     @override
-    def tracker(self) -> Any:
-        """The active ``mlflow.ActiveRun``."""
-        return self.active_run
-
-    @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def _store_config(self, values: dict[str, Any]) -> None:
         """Log ``values`` as run parameters, in batches of mlflow's limit; values too long for mlflow are dropped."""
         mlflow = _mlflow()
         limits = import_tracker_package("mlflow.utils.validation", MLFLOW_INSTALL)
@@ -130,7 +124,7 @@ class MLflowTracker(GeneralTracker):
             if len(str(value)) > limits.MAX_PARAM_VAL_LENGTH:
                 warnings.warn(
                     f"MLflow keeps parameters up to {limits.MAX_PARAM_VAL_LENGTH} characters; {key!r} is dropped.",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             else:
                 params[key] = value
@@ -139,15 +133,14 @@ class MLflowTracker(GeneralTracker):
             mlflow.log_params(dict(items[start : start + limits.MAX_PARAMS_TAGS_PER_BATCH]))
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """Log the numbers of ``values`` (ints, floats, one-element tensors) as metrics; other values are dropped."""
         metrics = {}
         for key, value in values.items():
             number = _as_number(value)
             if number is None:
                 warnings.warn(
-                    f"MLflow logs numbers only; {key}={type(value).__name__} is dropped.", UserWarning, stacklevel=3
+                    f"MLflow logs numbers only; {key}={type(value).__name__} is dropped.", UserWarning, stacklevel=4
                 )
             else:
                 metrics[key] = number
@@ -169,6 +162,5 @@ class MLflowTracker(GeneralTracker):
         _mlflow().log_artifact(local_path=local_path, artifact_path=artifact_path)
 
     @override
-    @on_main_process
-    def finish(self) -> None:
+    def _close_run(self) -> None:
         _mlflow().end_run()

@@ -16,7 +16,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, as_python_scalar, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package, on_main_process
 
 __all__ = ["SWANLAB_INSTALL", "SwanLabTracker"]
 
@@ -29,7 +29,7 @@ def _swanlab() -> Any:
     return import_tracker_package("swanlab", SWANLAB_INSTALL)
 
 
-class SwanLabTracker(GeneralTracker):
+class SwanLabTracker(_RunTracker):
     """A SwanLab run: ``swanlab.init(project=run_name, **kwargs)``.
 
     Args:
@@ -42,37 +42,24 @@ class SwanLabTracker(GeneralTracker):
     requires_logging_directory = False
     main_process_only = False
 
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
-
     @override
-    @on_main_process
-    def start(self) -> None:
+    def _open_run(self) -> Any:
         swanlab = _swanlab()
-        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
+        run = swanlab.init(project=self.run_name, **self.init_kwargs)
         swanlab.config["FRAMEWORK"] = FRAMEWORK
-
-    @property
-    @override
-    def tracker(self) -> Any:
-        """The SwanLab run."""
-        return self.run
+        return run
 
     @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def _store_config(self, values: dict[str, Any]) -> None:
         """Merge ``values`` into the run's config (values may change, as in Accelerate)."""
         config = _swanlab().config
         if "allow_val_change" in inspect.signature(config.update).parameters:
-            config.update(dict(values), allow_val_change=True)
+            config.update(values, allow_val_change=True)
         else:
-            config.update(dict(values))
+            config.update(values)
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """``Run.log(values, step=step, **kwargs)`` (one-element tensors as numbers)."""
         self.run.log({key: as_python_scalar(value) for key, value in values.items()}, step=step, **kwargs)
 
@@ -82,8 +69,3 @@ class SwanLabTracker(GeneralTracker):
         swanlab = _swanlab()
         for key, images in values.items():
             self.log({key: [swanlab.Image(image) for image in images]}, step=step, **kwargs)
-
-    @override
-    @on_main_process
-    def finish(self) -> None:
-        self.run.finish()

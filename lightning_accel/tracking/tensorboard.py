@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, on_main_process
+from lightning_accel.tracking.base import _RunTracker
 
 __all__ = ["TensorBoardTracker"]
 
 
-class TensorBoardTracker(GeneralTracker):
+class TensorBoardTracker(_RunTracker):
     """TensorBoard through Lightning's ``TensorBoardLogger``, writing to ``<logging_dir>/<run_name>`` as Accelerate.
 
     Args:
@@ -27,31 +27,27 @@ class TensorBoardTracker(GeneralTracker):
     requires_logging_directory = True
 
     def __init__(self, run_name: str, logging_dir: str, **kwargs: Any) -> None:
-        self.run_name = run_name
+        super().__init__(run_name, **kwargs)
         self.logging_dir = logging_dir
-        self._kwargs = kwargs
-        self._logger: Any = None
 
     @override
-    @on_main_process
-    def start(self) -> None:
+    def _open_run(self) -> Any:
         from lightning.fabric.loggers import TensorBoardLogger
 
-        self._logger = TensorBoardLogger(self.logging_dir, name=self.run_name, version="", **self._kwargs)
+        return TensorBoardLogger(self.logging_dir, name=self.run_name, version="", **self.init_kwargs)
 
     @property
     @override
     def tracker(self) -> Any:
-        return self._logger.experiment
+        """The ``SummaryWriter`` of the run's ``TensorBoardLogger``."""
+        return self.run.experiment
 
     @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
-        self._logger.log_hyperparams(dict(values))
+    def _store_config(self, values: dict[str, Any]) -> None:
+        self.run.log_hyperparams(values)
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """Scalars (numbers, 0-d tensors) as scalars, strings as text, dicts of numbers as grouped scalars.
 
         Raises:
@@ -60,7 +56,7 @@ class TensorBoardTracker(GeneralTracker):
         """
         for key, value in values.items():
             if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
-                self._logger.log_metrics({key: float(value)}, step=step)
+                self.run.log_metrics({key: float(value)}, step=step)
             elif isinstance(value, str):
                 self.tracker.add_text(key, value, global_step=step, **kwargs)
             elif isinstance(value, dict):
@@ -70,6 +66,5 @@ class TensorBoardTracker(GeneralTracker):
         self.tracker.flush()
 
     @override
-    @on_main_process
-    def finish(self) -> None:
-        self._logger.finalize("success")
+    def _close_run(self) -> None:
+        self.run.finalize("success")

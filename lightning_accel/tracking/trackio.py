@@ -14,14 +14,14 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, as_python_scalar, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package
 
 __all__ = ["TRACKIO_INSTALL", "TrackioTracker"]
 
 TRACKIO_INSTALL = "pip install trackio"
 
 
-class TrackioTracker(GeneralTracker):
+class TrackioTracker(_RunTracker):
     """A Trackio run: ``trackio.init(project=run_name, **kwargs)``.
 
     Args:
@@ -35,35 +35,16 @@ class TrackioTracker(GeneralTracker):
     requires_logging_directory = False
     main_process_only = False
 
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
+    @override
+    def _open_run(self) -> Any:
+        return import_tracker_package("trackio", TRACKIO_INSTALL).init(project=self.run_name, **self.init_kwargs)
 
     @override
-    @on_main_process
-    def start(self) -> None:
-        self.run = import_tracker_package("trackio", TRACKIO_INSTALL).init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    @override
-    def tracker(self) -> Any:
-        """The Trackio run."""
-        return self.run
-
-    @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def _store_config(self, values: dict[str, Any]) -> None:
         """Merge ``values`` into the run's config (recorded with the run's first ``log``)."""
-        self.run.config.update(dict(values))
+        self.run.config.update(values)
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """``Run.log(values, step=step, **kwargs)`` (one-element tensors as numbers)."""
         self.run.log({key: as_python_scalar(value) for key, value in values.items()}, step=step, **kwargs)
-
-    @override
-    @on_main_process
-    def finish(self) -> None:
-        self.run.finish()

@@ -13,7 +13,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import GeneralTracker, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _Table, _TableTracker, import_tracker_package, on_main_process
 
 __all__ = ["WANDB_INSTALL", "WandBTracker"]
 
@@ -24,7 +24,7 @@ def _wandb() -> Any:
     return import_tracker_package("wandb", WANDB_INSTALL)
 
 
-class WandBTracker(GeneralTracker):
+class WandBTracker(_TableTracker):
     """A wandb run: ``wandb.init(project=run_name, **kwargs)``; offline with ``WANDB_MODE=offline``.
 
     Args:
@@ -46,30 +46,19 @@ class WandBTracker(GeneralTracker):
                 f"init_kwargs['wandb'] sets project={kwargs['project']!r}: the wandb project is init_trackers'"
                 f" project_name ({run_name!r}); pass the name there."
             )
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
+        super().__init__(run_name, **kwargs)
 
     @override
-    @on_main_process
-    def start(self) -> None:
-        self.run = _wandb().init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    @override
-    def tracker(self) -> Any:
-        """The ``wandb`` run."""
-        return self.run
+    def _open_run(self) -> Any:
+        return _wandb().init(project=self.run_name, **self.init_kwargs)
 
     @override
-    @on_main_process
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def _store_config(self, values: dict[str, Any]) -> None:
         """Update the run's config (values may change, as in Accelerate)."""
-        self.run.config.update(dict(values), allow_val_change=True)
+        self.run.config.update(values, allow_val_change=True)
 
     @override
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
         """``run.log(values, step=step, **kwargs)``: the step is wandb's ``_step``."""
         self.run.log(dict(values), step=step, **kwargs)
 
@@ -80,21 +69,8 @@ class WandBTracker(GeneralTracker):
         for key, images in values.items():
             self.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
 
-    @on_main_process
-    def log_table(
-        self,
-        table_name: str,
-        columns: list[str] | None = None,
-        data: list[list[Any]] | None = None,
-        dataframe: Any = None,
-        step: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """Log a ``wandb.Table`` built from ``columns`` and ``data``, or from ``dataframe``."""
-        table = _wandb().Table(columns=columns, data=data, dataframe=dataframe)
-        self.log({table_name: table}, step=step, **kwargs)
-
     @override
-    @on_main_process
-    def finish(self) -> None:
-        self.run.finish()
+    def _log_table(self, table_name: str, table: _Table, step: int | None, kwargs: dict[str, Any]) -> None:
+        """Log a ``wandb.Table`` built from ``columns`` and ``data``, or from ``dataframe``."""
+        wandb_table = _wandb().Table(columns=table.columns, data=table.data, dataframe=table.dataframe)
+        self.log({table_name: wandb_table}, step=step, **kwargs)
