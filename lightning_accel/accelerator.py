@@ -69,6 +69,7 @@ from lightning_accel.enums import DynamoBackend
 from lightning_accel.optimizer import AcceleratedOptimizer, DeepSpeedOptimizerWrapper
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
+from lightning_accel.strategies.protocol import ShimStrategy, as_shim_strategy
 from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
 from lightning_accel.tracking.registry import check_logging_dir
 from lightning_accel.utils import modeling, operations
@@ -236,9 +237,10 @@ class Accelerator(
         fabric = _fabric.build_fabric(
             dtype, device, launch, mixed_precision=mixed_precision, handlers=handlers, plugins=plugins
         )
+        self._strategy: ShimStrategy = as_shim_strategy(fabric.strategy)
         self.state = AcceleratorState(cpu=bool(settings["cpu"]))
         self.state._configure(
-            getattr(fabric.strategy, "distributed_type", None) or dtype,
+            self._strategy.distributed_type or dtype,
             _fabric.recorded_device(fabric, bool(settings["cpu"])),
             num_processes=fabric.world_size,
             process_index=fabric.global_rank,
@@ -246,7 +248,7 @@ class Accelerator(
             debug=bool(settings_from_env().get("debug", False)),
         )
         self.state.mixed_precision = mixed_precision
-        self.state._record_plugins(**_parallelism.recorded_plugins(fabric.strategy, plugins))
+        self.state._record_plugins(**_parallelism.recorded_plugins(self._strategy, plugins))
         return fabric
 
     # ---- configuration ------------------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ class Accelerator(
             facts = {"cpu_kernels": is_bitsandbytes_multi_backend_available(), "xpu": is_xpu_available()}
             check_quantized_placement(objects[i], distributed=self.state.distributed_type != "NO", **facts)
         if models:  # an engine (DeepSpeed) fills its config from the whole call, as Accelerate's prepare does
-            _fabric.describe_prepare_call(self.fabric.strategy, objects, self.split_batches)
+            _fabric.describe_prepare_call(self._strategy, objects, self.split_batches)
         for i in models:  # a model that carries a tensor-parallel plan is split before the strategy shards it
             _parallelism.apply_model_tp_plan(objects[i], [objects[j] for j in optimizers], self.torch_device_mesh)
         # One model with its optimizers: the strategy sets them up together (DeepSpeed needs it).
@@ -329,7 +331,7 @@ class Accelerator(
 
     def _register_optimizer(self, optimizer: Optimizer, device_placement: bool) -> AcceleratedOptimizer:
         strategy = self.fabric.strategy
-        engine, plain = _engine_step.engine_steps_in_backward(strategy), plain_optimizer_step(strategy)
+        engine, plain = self._strategy.engine_steps_in_backward, plain_optimizer_step(strategy)
         place = device_placement and not engine  # an engine (DeepSpeed) places its own optimizer state
         wrapped = (
             DeepSpeedOptimizerWrapper(optimizer, precision=strategy.precision)
@@ -365,7 +367,7 @@ class Accelerator(
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so it steps with its prepared optimizer (a ``DummyScheduler``: the engine's)."""
         optimizers = [opt for opt in self._optimizers if raw_optimizer(opt) is scheduler.optimizer]
-        wrapped = _engine_step.engine_scheduler(self.fabric.strategy, scheduler, self._optimizers) or (
+        wrapped = _engine_step.engine_scheduler(self._strategy, scheduler, self._optimizers) or (
             AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches)
         )
         self._schedulers.append(wrapped)
@@ -397,7 +399,7 @@ class Accelerator(
         """
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive integer, got {value!r}.")
-        if self._models and _engine_step.engine_steps_in_backward(self.fabric.strategy):
+        if self._models and self._strategy.engine_steps_in_backward:
             raise ValueError(
                 "The DeepSpeed engine fixed its accumulation steps in prepare: set them before, in"
                 " Accelerator(gradient_accumulation_steps=...) or the DeepSpeed config."
@@ -416,15 +418,15 @@ class Accelerator(
         if kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
             return
-        if steps != 1 and not _engine_step.engine_steps_in_backward(self.fabric.strategy):
+        if steps != 1 and not self._strategy.engine_steps_in_backward:
             loss = loss / steps
         if _module.plain_backward(self._models):
             loss.backward(**kwargs)  # the strategy and precision plugin would add nothing around it
             return
         model = self._models[0] if len(self._models) == 1 else None
-        with _engine_step.step_boundary(self.fabric.strategy, self.sync_gradients):
+        with self._strategy.step_boundary(self.sync_gradients):
             self.fabric.backward(loss, model=model, **kwargs)
-        _engine_step.step_after_backward(self.fabric.strategy, self._optimizers, self.sync_gradients)
+        _engine_step.step_after_backward(self._strategy, self._optimizers, self.sync_gradients)
 
     def _do_sync(self) -> None:
         if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
@@ -450,8 +452,7 @@ class Accelerator(
 
     def _syncs_each_batch(self) -> bool:
         """``sync_each_batch`` on several processes, unless skipping the sync is also the engine's step signal."""
-        control = lightning_private(self.fabric.strategy, "_backward_sync_control")
-        marks_boundary = getattr(control, "marks_step_boundary", False)
+        marks_boundary = self._strategy.marks_step_boundary
         return self.use_distributed and self.gradient_state.sync_each_batch and not marks_boundary
 
     @contextmanager

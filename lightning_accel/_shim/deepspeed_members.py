@@ -17,8 +17,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.utils.deepspeed import DeepSpeedEngineWrapper
 from lightning_accel.utils.lightning_internals import fabric_forward_module, lightning_private
 
@@ -29,6 +29,7 @@ class DeepSpeedMembers:
     """``deepspeed_engine_wrapped``, ``deepspeed_ulysses_dl_adapter`` and the model ``prepare`` hands back."""
 
     fabric: Fabric
+    _strategy: ShimStrategy
     _models: list[AcceleratedModule]
     parallelism_config: Any
 
@@ -43,9 +44,9 @@ class DeepSpeedMembers:
 
     def _returned_model(self, prepared: AcceleratedModule) -> Module:
         """What ``prepare`` returns for a model: the DeepSpeed engine itself (as Accelerate), else the wrapper."""
-        if not _engine_step.engine_steps_in_backward(self.fabric.strategy):
+        engine = self._strategy.returned_model(prepared)
+        if engine is prepared:
             return prepared
-        engine = fabric_forward_module(prepared)
         # The wrapper's refusal of a plain loss.backward() (the engine must run it) follows the engine's outputs.
         engine.register_forward_hook(lambda _module, _args, output: _guard_outputs(prepared, output))
         if self.deepspeed_engine_wrapped is None:  # Accelerate keeps the first engine for its backward
@@ -62,8 +63,7 @@ class DeepSpeedMembers:
         """Whether ``prepare`` returned ``model`` already: Fabric's wrapper, or a DeepSpeed engine it handed back."""
         if isinstance(model, _FabricModule):
             return True
-        engines = _engine_step.engine_steps_in_backward(self.fabric.strategy)
-        return engines and any(fabric_forward_module(m) is model for m in self._models)
+        return any(self._strategy.returned_model(m) is model for m in self._models)
 
     def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Module) -> Any:
         """Adapt a data loader prepared apart from the model to DeepSpeed's Ulysses sequence parallelism.

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim.module import AcceleratedModule
 from lightning_accel.optimizer import AcceleratedOptimizer
+from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.utils.lightning_internals import fabric_forward_module
 
 __all__ = ["GradientControl"]
@@ -33,6 +34,7 @@ class GradientControl:
     """Accelerate's ``clip_grad_norm_``, ``clip_grad_value_`` and ``unscale_gradients``, for the ``Accelerator``."""
 
     fabric: Fabric
+    _strategy: ShimStrategy
     _models: list[AcceleratedModule]
     _optimizers: list[AcceleratedOptimizer]
 
@@ -59,8 +61,8 @@ class GradientControl:
                 " gradients' sign). Pass the largest gradient norm to allow, or do not call clip_grad_norm_."
             )
         strategy = self.fabric.strategy
-        if _engine_step.engine_steps_in_backward(strategy):
-            return _engine_step.global_grad_norm(strategy, max_norm)
+        if self._strategy.engine_steps_in_backward:
+            return _engine_step.global_grad_norm(self._strategy, max_norm)
         params, owner = self._owner(parameters)
         whole_model = owner is not None and len(params) == len(list(owner.parameters()))
         wrapper = fabric_forward_module(owner) if owner is not None else None
@@ -77,7 +79,7 @@ class GradientControl:
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling; not DeepSpeed)."""
-        _engine_step.refuse_value_clipping(self.fabric.strategy)
+        _engine_step.refuse_value_clipping(self._strategy)
         params, _ = self._owner(parameters)
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(params, clip_value)

@@ -20,6 +20,7 @@ from typing import Any, cast
 from lightning.fabric.strategies import Strategy as FabricStrategy
 from lightning.pytorch.strategies import Strategy
 
+from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 
 _ConfigSource = str | os.PathLike[str] | Any
@@ -54,7 +55,7 @@ class AcceleratedAutoStrategy(Strategy):
         return strategy_from_env(fabric=False, config=config_file, environ=environ, **options)
 
 
-class FabricAcceleratedAutoStrategy(FabricStrategy):
+class FabricAcceleratedAutoStrategy(FabricStrategy, ShimStrategyDefaults):
     """Fabric twin of :class:`AcceleratedAutoStrategy`; constructing it returns the Fabric strategy."""
 
     def __new__(  # type: ignore[misc]
