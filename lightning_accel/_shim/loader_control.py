@@ -11,11 +11,11 @@ from lightning.fabric import Fabric
 from torch.distributed.algorithms import Join, Joinable
 from torch.utils.data import DataLoader
 
-from lightning_accel._shim.data_sharding import BatchSamplerShard
 from lightning_accel._shim.parallelism import data_shards
 from lightning_accel.config import DataLoaderConfiguration
 from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
+from lightning_accel.data_loader.sharding import BatchSamplerShard
 from lightning_accel.enums import DistributedType
 from lightning_accel.state import AcceleratorState, PartialState
 from lightning_accel.strategies.protocol import ShimStrategy
