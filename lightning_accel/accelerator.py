@@ -38,7 +38,7 @@ from lightning_accel._shim.arguments import (
 )
 from lightning_accel._shim.checkpoint_control import CheckpointControl
 from lightning_accel._shim.deepspeed_members import DeepSpeedMembers
-from lightning_accel._shim.gradients import GradientControl, raw_optimizer
+from lightning_accel._shim.gradients import GradientClipping, raw_optimizer
 from lightning_accel._shim.loader_control import DataLoaderControl
 from lightning_accel._shim.lomo import LomoControl
 from lightning_accel._shim.module import (
@@ -50,6 +50,7 @@ from lightning_accel._shim.module import (
 )
 from lightning_accel._shim.parallelism import ParallelismControl
 from lightning_accel._shim.precision_members import PrecisionMembers, check_fp8_handlers, handler_attributes
+from lightning_accel._shim.prepared import PreparedObjects
 from lightning_accel._shim.process import ProcessControl
 from lightning_accel._shim.profiling import ProfilingControl
 from lightning_accel.config import (
@@ -90,7 +91,6 @@ class Accelerator(
     ParallelismControl,
     ProfilingControl,
     LomoControl,
-    GradientControl,
     DeepSpeedMembers,
 ):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
@@ -216,11 +216,14 @@ class Accelerator(
         self.fabric = self._launch(settings, handlers)
         self.trackers: list[GeneralTracker] = []
         self.step = 0
-        self._models: list[AcceleratedModule] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[DataLoaderShard] = []
-        self._custom_objects: list[Any] = []
+        self._prepared = PreparedObjects()
+        # The mixins and the checkpoint code read the prepared objects by these names: the same lists.
+        self._models: list[AcceleratedModule] = self._prepared.models
+        self._optimizers: list[AcceleratedOptimizer] = self._prepared.optimizers
+        self._schedulers: list[AcceleratedScheduler] = self._prepared.schedulers
+        self._dataloaders: list[DataLoaderShard] = self._prepared.dataloaders
+        self._custom_objects: list[Any] = self._prepared.custom_objects
+        self._gradients = GradientClipping(self.fabric, self._strategy, self._prepared)
         # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
@@ -487,6 +490,27 @@ class Accelerator(
         finally:
             ddp.require_backward_grad_sync, ddp.require_forward_param_sync = previous
 
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | float | None:
+        """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm.
+
+        The norm is taken over ``parameters`` in the order given, as Accelerate's is. Under DeepSpeed, as in
+        Accelerate: the engine clipped in ``backward`` by its config (``max_norm`` is ignored); returns its last
+        step's norm (a float; ``None`` before the first step).
+
+        Raises:
+            ValueError: If ``max_norm`` is negative (it would flip the gradients' sign).
+
+        """
+        return self._gradients.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling; not DeepSpeed)."""
+        self._gradients.clip_grad_value_(parameters, clip_value)
+
+    def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
+        """Divide fp16 gradients by the loss scale now (a no-op without a gradient scaler)."""
+        self._gradients.unscale_gradients(optimizer)
+
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
         """The precision plugin's autocast context (a no-op in full precision or with ``enabled=False``)."""
         check_type("autocast_handler", autocast_handler, AutocastKwargs)
@@ -534,10 +558,7 @@ class Accelerator(
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop the references this accelerator holds, collect garbage and reset :attr:`step`."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self._prepared.clear()
         self.step = 0
         gc.collect()
         if torch.accelerator.is_available():

@@ -82,7 +82,7 @@ def _warn_if_ignored(configured: float, max_norm: float) -> None:
         f" ({configured}); clip_grad_norm_'s max_norm={max_norm} is ignored, as in Accelerate. Set"
         " DeepSpeedPlugin(gradient_clipping=...) (or the config's entry) to change it.",
         UserWarning,
-        stacklevel=4,  # the script that called Accelerator.clip_grad_norm_
+        stacklevel=5,  # the script that called Accelerator.clip_grad_norm_ (through GradientClipping)
     )
 
 
