@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim import fabric as _fabric
+from lightning_accel._shim import lomo as _lomo
 from lightning_accel._shim import module as _module
 from lightning_accel._shim import parallelism as _parallelism
 from lightning_accel._shim.arguments import (
@@ -40,7 +41,6 @@ from lightning_accel._shim.checkpoint_control import CheckpointControl
 from lightning_accel._shim.deepspeed_members import DeepSpeedMembers
 from lightning_accel._shim.gradients import GradientClipping, raw_optimizer
 from lightning_accel._shim.loader_control import DataLoaderControl
-from lightning_accel._shim.lomo import LomoControl
 from lightning_accel._shim.module import (
     AcceleratedModule,
     check_quantized_placement,
@@ -52,7 +52,7 @@ from lightning_accel._shim.parallelism import ParallelismControl
 from lightning_accel._shim.precision_members import PrecisionMembers, check_fp8_handlers, handler_attributes
 from lightning_accel._shim.prepared import PreparedObjects
 from lightning_accel._shim.process import ProcessControl
-from lightning_accel._shim.profiling import ProfilingControl
+from lightning_accel._shim.profiling import profiled
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -65,6 +65,7 @@ from lightning_accel.config import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.data_loader import DataLoaderShard, check_rng_types
 from lightning_accel.enums import DynamoBackend
 from lightning_accel.optimizer import AcceleratedOptimizer, DeepSpeedOptimizerWrapper
@@ -89,8 +90,6 @@ class Accelerator(
     CheckpointControl,
     PrecisionMembers,
     ParallelismControl,
-    ProfilingControl,
-    LomoControl,
     DeepSpeedMembers,
 ):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
@@ -489,6 +488,39 @@ class Accelerator(
             yield
         finally:
             ddp.require_backward_grad_sync, ddp.require_forward_param_sync = previous
+
+    @property
+    def has_lomo_optimizer(self) -> bool:
+        """Whether a prepared optimizer is a LOMO optimizer."""
+        return _lomo.has_lomo_optimizer(self._optimizers)
+
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Backpropagate ``loss`` through every prepared LOMO optimizer, which updates the parameters on the way.
+
+        Raises:
+            ImportError: Without the ``lomo-optim`` package.
+            ValueError: Without a learning rate, or when no prepared optimizer is a LOMO optimizer.
+
+        """
+        _lomo.lomo_backward(self._optimizers, loss, learning_rate)
+
+    @contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Generator[torch.profiler.profile, None, None]:
+        """Profile the body with ``torch.profiler``; yields the profiler (call ``prof.step()`` with a schedule).
+
+        With ``output_trace_dir`` set, every process writes ``profile_<process_index>.json`` (a Chrome trace) there
+        after the block, and the processes wait for each other.
+
+        Args:
+            profile_handler: The settings for this block; default the ``ProfileKwargs`` among ``kwargs_handlers``,
+                else torch's defaults.
+
+        Raises:
+            TypeError: If ``profile_handler`` is not a ``ProfileKwargs``.
+
+        """
+        with profiled(profile_handler, self.profile_handler, self.state) as profiler:
+            yield profiler
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | float | None:
         """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm.
