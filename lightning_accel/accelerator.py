@@ -38,7 +38,7 @@ from lightning_accel._shim.arguments import (
     with_split_batches,
 )
 from lightning_accel._shim.checkpoint_control import CheckpointControl
-from lightning_accel._shim.deepspeed_members import DeepSpeedMembers
+from lightning_accel._shim.deepspeed_members import ReturnedModels, ulysses_loader
 from lightning_accel._shim.gradients import GradientClipping, raw_optimizer
 from lightning_accel._shim.loader_control import DataLoaderControl
 from lightning_accel._shim.module import (
@@ -75,6 +75,7 @@ from lightning_accel.strategies.protocol import ShimStrategy, as_shim_strategy
 from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
 from lightning_accel.tracking.registry import check_logging_dir
 from lightning_accel.utils import modeling, operations
+from lightning_accel.utils.deepspeed import DeepSpeedEngineWrapper
 from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
 from lightning_accel.utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 from lightning_accel.utils.lightning_internals import lightning_private
@@ -90,7 +91,6 @@ class Accelerator(
     CheckpointControl,
     PrecisionMembers,
     ParallelismControl,
-    DeepSpeedMembers,
 ):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
 
@@ -223,6 +223,7 @@ class Accelerator(
         self._dataloaders: list[DataLoaderShard] = self._prepared.dataloaders
         self._custom_objects: list[Any] = self._prepared.custom_objects
         self._gradients = GradientClipping(self.fabric, self._strategy, self._prepared)
+        self._returned = ReturnedModels(self._strategy, self._prepared)
         # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
@@ -303,7 +304,7 @@ class Accelerator(
 
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
         _module.reuse_prepared(objects, self._models)  # a module prepared before gets the wrapper it got then
-        models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not self._is_prepared_model(obj)]
+        models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not self._returned.is_prepared(obj)]
         optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
         for i in models:
             facts = {"cpu_kernels": is_bitsandbytes_multi_backend_available(), "xpu": is_xpu_available()}
@@ -329,7 +330,7 @@ class Accelerator(
     def _register_model(self, objects: list[Any], index: int, model: _FabricModule) -> None:
         adopted = AcceleratedModule.adopt(model)
         self._models.append(adopted)
-        objects[index] = self._returned_model(adopted)
+        objects[index] = self._returned.returned(adopted)
 
     def _register_optimizer(self, optimizer: Optimizer, device_placement: bool) -> AcceleratedOptimizer:
         strategy = self.fabric.strategy
@@ -441,7 +442,7 @@ class Accelerator(
     @contextmanager
     def accumulate(self, *models: Module) -> Generator[None, None, None]:
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
-        engines_unwrapped = [self._prepared_wrapper(model) for model in models]  # a DeepSpeed engine -> its wrapper
+        engines_unwrapped = [self._returned.wrapper_of(model) for model in models]  # a DeepSpeed engine -> its wrapper
         prepared = _module.prepared_models(engines_unwrapped, self._models)  # refuses a model prepare never saw
         self._do_sync()
         if self.gradient_state.sync_gradients or self._syncs_each_batch():
@@ -463,7 +464,7 @@ class Accelerator(
         if lightning_private(self.fabric.strategy, "_backward_sync_control") is None:
             yield
             return
-        model = self._prepared_wrapper(model)
+        model = self._returned.wrapper_of(model)
         if not isinstance(model, _FabricModule):
             raise TypeError(f"no_sync needs a model returned by Accelerator.prepare, got {type(model).__name__}.")
         with self.fabric.no_backward_sync(model, enabled=True):
@@ -488,6 +489,28 @@ class Accelerator(
             yield
         finally:
             ddp.require_backward_grad_sync, ddp.require_forward_param_sync = previous
+
+    @property
+    def deepspeed_engine_wrapped(self) -> DeepSpeedEngineWrapper | None:
+        """The first prepared DeepSpeed engine in Accelerate's ``DeepSpeedEngineWrapper`` (``None`` without one)."""
+        return self._returned.engine_wrapped
+
+    @deepspeed_engine_wrapped.setter
+    def deepspeed_engine_wrapped(self, value: DeepSpeedEngineWrapper | None) -> None:
+        self._returned.engine_wrapped = value
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Module) -> Any:
+        """Adapt a data loader prepared apart from the model to DeepSpeed's Ulysses sequence parallelism.
+
+        With a sequence-parallel size of 1 (always, here: lightning_accel refuses ``sp_size`` > 1, see
+        ``ParallelismConfig``) ``dl`` is returned as it is, as Accelerate does; ``transformers.Trainer`` calls it
+        only when sequence parallelism is on.
+
+        Raises:
+            NotImplementedError: With a ``parallelism_config`` whose ``sp_size`` is above 1.
+
+        """
+        return ulysses_loader(dl, self.parallelism_config)
 
     @property
     def has_lomo_optimizer(self) -> bool:
