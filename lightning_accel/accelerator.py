@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim import fabric as _fabric
+from lightning_accel._shim import lomo as _lomo
 from lightning_accel._shim import module as _module
 from lightning_accel._shim import parallelism as _parallelism
 from lightning_accel._shim.arguments import (
@@ -37,10 +38,9 @@ from lightning_accel._shim.arguments import (
     with_split_batches,
 )
 from lightning_accel._shim.checkpoint_control import CheckpointControl
-from lightning_accel._shim.deepspeed_members import DeepSpeedMembers
-from lightning_accel._shim.gradients import GradientControl, raw_optimizer
+from lightning_accel._shim.deepspeed_members import ReturnedModels, ulysses_loader
+from lightning_accel._shim.gradients import GradientClipping, raw_optimizer
 from lightning_accel._shim.loader_control import DataLoaderControl
-from lightning_accel._shim.lomo import LomoControl
 from lightning_accel._shim.module import (
     AcceleratedModule,
     check_quantized_placement,
@@ -50,8 +50,9 @@ from lightning_accel._shim.module import (
 )
 from lightning_accel._shim.parallelism import ParallelismControl
 from lightning_accel._shim.precision_members import PrecisionMembers, check_fp8_handlers, handler_attributes
+from lightning_accel._shim.prepared import PreparedObjects
 from lightning_accel._shim.process import ProcessControl
-from lightning_accel._shim.profiling import ProfilingControl
+from lightning_accel._shim.profiling import profiled
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -64,14 +65,17 @@ from lightning_accel.config import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.data_loader import DataLoaderShard, check_rng_types
 from lightning_accel.enums import DynamoBackend
 from lightning_accel.optimizer import AcceleratedOptimizer, DeepSpeedOptimizerWrapper
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
+from lightning_accel.strategies.protocol import ShimStrategy, as_shim_strategy
 from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
 from lightning_accel.tracking.registry import check_logging_dir
 from lightning_accel.utils import modeling, operations
+from lightning_accel.utils.deepspeed import DeepSpeedEngineWrapper
 from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
 from lightning_accel.utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 from lightning_accel.utils.lightning_internals import lightning_private
@@ -87,10 +91,6 @@ class Accelerator(
     CheckpointControl,
     PrecisionMembers,
     ParallelismControl,
-    ProfilingControl,
-    LomoControl,
-    GradientControl,
-    DeepSpeedMembers,
 ):
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
 
@@ -215,11 +215,15 @@ class Accelerator(
         self.fabric = self._launch(settings, handlers)
         self.trackers: list[GeneralTracker] = []
         self.step = 0
-        self._models: list[AcceleratedModule] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[DataLoaderShard] = []
-        self._custom_objects: list[Any] = []
+        self._prepared = PreparedObjects()
+        # The mixins and the checkpoint code read the prepared objects by these names: the same lists.
+        self._models: list[AcceleratedModule] = self._prepared.models
+        self._optimizers: list[AcceleratedOptimizer] = self._prepared.optimizers
+        self._schedulers: list[AcceleratedScheduler] = self._prepared.schedulers
+        self._dataloaders: list[DataLoaderShard] = self._prepared.dataloaders
+        self._custom_objects: list[Any] = self._prepared.custom_objects
+        self._gradients = GradientClipping(self.fabric, self._strategy, self._prepared)
+        self._returned = ReturnedModels(self._strategy, self._prepared)
         # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
@@ -236,9 +240,10 @@ class Accelerator(
         fabric = _fabric.build_fabric(
             dtype, device, launch, mixed_precision=mixed_precision, handlers=handlers, plugins=plugins
         )
+        self._strategy: ShimStrategy = as_shim_strategy(fabric.strategy)
         self.state = AcceleratorState(cpu=bool(settings["cpu"]))
         self.state._configure(
-            getattr(fabric.strategy, "distributed_type", None) or dtype,
+            self._strategy.distributed_type or dtype,
             _fabric.recorded_device(fabric, bool(settings["cpu"])),
             num_processes=fabric.world_size,
             process_index=fabric.global_rank,
@@ -246,7 +251,7 @@ class Accelerator(
             debug=bool(settings_from_env().get("debug", False)),
         )
         self.state.mixed_precision = mixed_precision
-        self.state._record_plugins(**_parallelism.recorded_plugins(fabric.strategy, plugins))
+        self.state._record_plugins(**_parallelism.recorded_plugins(self._strategy, plugins))
         return fabric
 
     # ---- configuration ------------------------------------------------------------------------------------------
@@ -299,13 +304,13 @@ class Accelerator(
 
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
         _module.reuse_prepared(objects, self._models)  # a module prepared before gets the wrapper it got then
-        models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not self._is_prepared_model(obj)]
+        models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not self._returned.is_prepared(obj)]
         optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
         for i in models:
             facts = {"cpu_kernels": is_bitsandbytes_multi_backend_available(), "xpu": is_xpu_available()}
             check_quantized_placement(objects[i], distributed=self.state.distributed_type != "NO", **facts)
         if models:  # an engine (DeepSpeed) fills its config from the whole call, as Accelerate's prepare does
-            _fabric.describe_prepare_call(self.fabric.strategy, objects, self.split_batches)
+            _fabric.describe_prepare_call(self._strategy, objects, self.split_batches)
         for i in models:  # a model that carries a tensor-parallel plan is split before the strategy shards it
             _parallelism.apply_model_tp_plan(objects[i], [objects[j] for j in optimizers], self.torch_device_mesh)
         # One model with its optimizers: the strategy sets them up together (DeepSpeed needs it).
@@ -325,11 +330,11 @@ class Accelerator(
     def _register_model(self, objects: list[Any], index: int, model: _FabricModule) -> None:
         adopted = AcceleratedModule.adopt(model)
         self._models.append(adopted)
-        objects[index] = self._returned_model(adopted)
+        objects[index] = self._returned.returned(adopted)
 
     def _register_optimizer(self, optimizer: Optimizer, device_placement: bool) -> AcceleratedOptimizer:
         strategy = self.fabric.strategy
-        engine, plain = _engine_step.engine_steps_in_backward(strategy), plain_optimizer_step(strategy)
+        engine, plain = self._strategy.engine_steps_in_backward, plain_optimizer_step(strategy)
         place = device_placement and not engine  # an engine (DeepSpeed) places its own optimizer state
         wrapped = (
             DeepSpeedOptimizerWrapper(optimizer, precision=strategy.precision)
@@ -365,7 +370,7 @@ class Accelerator(
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so it steps with its prepared optimizer (a ``DummyScheduler``: the engine's)."""
         optimizers = [opt for opt in self._optimizers if raw_optimizer(opt) is scheduler.optimizer]
-        wrapped = _engine_step.engine_scheduler(self.fabric.strategy, scheduler, self._optimizers) or (
+        wrapped = _engine_step.engine_scheduler(self._strategy, scheduler, self._optimizers) or (
             AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches)
         )
         self._schedulers.append(wrapped)
@@ -397,7 +402,7 @@ class Accelerator(
         """
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive integer, got {value!r}.")
-        if self._models and _engine_step.engine_steps_in_backward(self.fabric.strategy):
+        if self._models and self._strategy.engine_steps_in_backward:
             raise ValueError(
                 "The DeepSpeed engine fixed its accumulation steps in prepare: set them before, in"
                 " Accelerator(gradient_accumulation_steps=...) or the DeepSpeed config."
@@ -416,15 +421,15 @@ class Accelerator(
         if kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
             return
-        if steps != 1 and not _engine_step.engine_steps_in_backward(self.fabric.strategy):
+        if steps != 1 and not self._strategy.engine_steps_in_backward:
             loss = loss / steps
         if _module.plain_backward(self._models):
             loss.backward(**kwargs)  # the strategy and precision plugin would add nothing around it
             return
         model = self._models[0] if len(self._models) == 1 else None
-        with _engine_step.step_boundary(self.fabric.strategy, self.sync_gradients):
+        with self._strategy.step_boundary(self.sync_gradients):
             self.fabric.backward(loss, model=model, **kwargs)
-        _engine_step.step_after_backward(self.fabric.strategy, self._optimizers, self.sync_gradients)
+        _engine_step.step_after_backward(self._strategy, self._optimizers, self.sync_gradients)
 
     def _do_sync(self) -> None:
         if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
@@ -437,7 +442,7 @@ class Accelerator(
     @contextmanager
     def accumulate(self, *models: Module) -> Generator[None, None, None]:
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
-        engines_unwrapped = [self._prepared_wrapper(model) for model in models]  # a DeepSpeed engine -> its wrapper
+        engines_unwrapped = [self._returned.wrapper_of(model) for model in models]  # a DeepSpeed engine -> its wrapper
         prepared = _module.prepared_models(engines_unwrapped, self._models)  # refuses a model prepare never saw
         self._do_sync()
         if self.gradient_state.sync_gradients or self._syncs_each_batch():
@@ -450,8 +455,7 @@ class Accelerator(
 
     def _syncs_each_batch(self) -> bool:
         """``sync_each_batch`` on several processes, unless skipping the sync is also the engine's step signal."""
-        control = lightning_private(self.fabric.strategy, "_backward_sync_control")
-        marks_boundary = getattr(control, "marks_step_boundary", False)
+        marks_boundary = self._strategy.marks_step_boundary
         return self.use_distributed and self.gradient_state.sync_each_batch and not marks_boundary
 
     @contextmanager
@@ -460,7 +464,7 @@ class Accelerator(
         if lightning_private(self.fabric.strategy, "_backward_sync_control") is None:
             yield
             return
-        model = self._prepared_wrapper(model)
+        model = self._returned.wrapper_of(model)
         if not isinstance(model, _FabricModule):
             raise TypeError(f"no_sync needs a model returned by Accelerator.prepare, got {type(model).__name__}.")
         with self.fabric.no_backward_sync(model, enabled=True):
@@ -485,6 +489,82 @@ class Accelerator(
             yield
         finally:
             ddp.require_backward_grad_sync, ddp.require_forward_param_sync = previous
+
+    @property
+    def deepspeed_engine_wrapped(self) -> DeepSpeedEngineWrapper | None:
+        """The first prepared DeepSpeed engine in Accelerate's ``DeepSpeedEngineWrapper`` (``None`` without one)."""
+        return self._returned.engine_wrapped
+
+    @deepspeed_engine_wrapped.setter
+    def deepspeed_engine_wrapped(self, value: DeepSpeedEngineWrapper | None) -> None:
+        self._returned.engine_wrapped = value
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Module) -> Any:
+        """Adapt a data loader prepared apart from the model to DeepSpeed's Ulysses sequence parallelism.
+
+        With a sequence-parallel size of 1 (always, here: lightning_accel refuses ``sp_size`` > 1, see
+        ``ParallelismConfig``) ``dl`` is returned as it is, as Accelerate does; ``transformers.Trainer`` calls it
+        only when sequence parallelism is on.
+
+        Raises:
+            NotImplementedError: With a ``parallelism_config`` whose ``sp_size`` is above 1.
+
+        """
+        return ulysses_loader(dl, self.parallelism_config)
+
+    @property
+    def has_lomo_optimizer(self) -> bool:
+        """Whether a prepared optimizer is a LOMO optimizer."""
+        return _lomo.has_lomo_optimizer(self._optimizers)
+
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Backpropagate ``loss`` through every prepared LOMO optimizer, which updates the parameters on the way.
+
+        Raises:
+            ImportError: Without the ``lomo-optim`` package.
+            ValueError: Without a learning rate, or when no prepared optimizer is a LOMO optimizer.
+
+        """
+        _lomo.lomo_backward(self._optimizers, loss, learning_rate)
+
+    @contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Generator[torch.profiler.profile, None, None]:
+        """Profile the body with ``torch.profiler``; yields the profiler (call ``prof.step()`` with a schedule).
+
+        With ``output_trace_dir`` set, every process writes ``profile_<process_index>.json`` (a Chrome trace) there
+        after the block, and the processes wait for each other.
+
+        Args:
+            profile_handler: The settings for this block; default the ``ProfileKwargs`` among ``kwargs_handlers``,
+                else torch's defaults.
+
+        Raises:
+            TypeError: If ``profile_handler`` is not a ``ProfileKwargs``.
+
+        """
+        with profiled(profile_handler, self.profile_handler, self.state) as profiler:
+            yield profiler
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | float | None:
+        """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm.
+
+        The norm is taken over ``parameters`` in the order given, as Accelerate's is. Under DeepSpeed, as in
+        Accelerate: the engine clipped in ``backward`` by its config (``max_norm`` is ignored); returns its last
+        step's norm (a float; ``None`` before the first step).
+
+        Raises:
+            ValueError: If ``max_norm`` is negative (it would flip the gradients' sign).
+
+        """
+        return self._gradients.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling; not DeepSpeed)."""
+        self._gradients.clip_grad_value_(parameters, clip_value)
+
+    def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
+        """Divide fp16 gradients by the loss scale now (a no-op without a gradient scaler)."""
+        self._gradients.unscale_gradients(optimizer)
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
         """The precision plugin's autocast context (a no-op in full precision or with ``enabled=False``)."""
@@ -533,10 +613,7 @@ class Accelerator(
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop the references this accelerator holds, collect garbage and reset :attr:`step`."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self._prepared.clear()
         self.step = 0
         gc.collect()
         if torch.accelerator.is_available():

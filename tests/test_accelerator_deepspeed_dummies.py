@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import Accelerator
-from lightning_accel._shim.deepspeed_prepare import (
+from lightning_accel.strategies.deepspeed_prepare import (
     PrepareFacts,
     check_dummies,
     dummy_fills,

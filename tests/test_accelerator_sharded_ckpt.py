@@ -279,13 +279,13 @@ def test_deepspeed_clip_grad_norm_reads_the_engine_and_warns_that_max_norm_is_ig
     from lightning_accel._shim.engine_step import global_grad_norm
 
     engine = SimpleNamespace(gradient_clipping=lambda: 1.0, get_global_grad_norm=lambda: torch.tensor(3.5))
-    strategy: Any = SimpleNamespace(_deepspeed_engine=engine)
+    strategy: Any = SimpleNamespace(step_engine=lambda: engine)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert global_grad_norm(strategy, 1.0) == 3.5  # max_norm is the config's: nothing to say
     with pytest.warns(UserWarning, match=r"gradient_clipping \(1.0\); clip_grad_norm_'s max_norm=0.25 is ignored"):
         assert global_grad_norm(strategy, 0.25) == 3.5
-    assert global_grad_norm(SimpleNamespace(_deepspeed_engine=None), 1.0) is None  # type: ignore[arg-type]
+    assert global_grad_norm(SimpleNamespace(step_engine=lambda: None), 1.0) is None  # type: ignore[arg-type]
 
 
 def test_engine_stepped_optimizer_ignores_step_and_reports_the_overflow() -> None:

@@ -14,26 +14,22 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
-from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import DeepSpeedSchedulerWrapper
+from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.utils.deepspeed import DummyScheduler, only_deepspeed_error
-from lightning_accel.utils.lightning_internals import lightning_private
 
 __all__ = [
     "SCHEDULERS",
     "engine_scheduler",
-    "engine_steps_in_backward",
     "global_grad_norm",
     "refuse_value_clipping",
     "step_after_backward",
-    "step_boundary",
 ]
 
 # What Accelerator.prepare treats as a scheduler.
@@ -41,45 +37,17 @@ SCHEDULERS = (LRScheduler, DummyScheduler)
 _warned_max_norm: set[float] = set()
 
 
-def engine_steps_in_backward(strategy: Strategy) -> bool:
-    """Whether ``strategy``'s engine accumulates and steps itself inside ``backward`` (DeepSpeed), as in Accelerate."""
-    return isinstance(strategy, DeepSpeedStrategy)
-
-
-def _engine(strategy: Strategy) -> Any:
-    """The engine of a DeepSpeed ``strategy`` (``None`` before its setup)."""
-    return lightning_private(strategy, "_deepspeed_engine")
-
-
-@contextmanager
-def step_boundary(strategy: Strategy, sync_gradients: bool) -> Iterator[None]:
-    """Tell the engine whether the backward pass in the body ends an accumulation (``sync_gradients``), as Accelerate.
-
-    The engine counts its own micro-steps only inside ``step()``, which runs at sync steps alone; a loop that
-    accumulates without :meth:`Accelerator.no_sync` (``transformers.Trainer`` under DeepSpeed) would otherwise reach
-    the engine's boundary every ``gradient_accumulation_steps`` optimizer steps instead of every step. The boundary is
-    set back to the strategy's default (reached) afterwards.
-    """
-    engine = _engine(strategy) if engine_steps_in_backward(strategy) else None
-    if engine is None:
-        yield
-        return
-    engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
-    try:
-        yield
-    finally:
-        engine.set_gradient_accumulation_boundary(is_boundary=True)
-
-
-def step_after_backward(strategy: Strategy, optimizers: Sequence[AcceleratedOptimizer], sync_gradients: bool) -> None:
+def step_after_backward(
+    strategy: ShimStrategy, optimizers: Sequence[AcceleratedOptimizer], sync_gradients: bool
+) -> None:
     """At a sync step, run the engine's ``step`` right after the backward pass (nothing on accumulating micro-steps).
 
     ``engine.step()`` itself, not only its optimizer's: it also keeps the engine's global norm (read by
     :func:`global_grad_norm`), step count and config-declared scheduler as Accelerate's step does.
     """
-    if not sync_gradients or not engine_steps_in_backward(strategy):
+    if not sync_gradients or not strategy.engine_steps_in_backward:
         return
-    engine = _engine(strategy)
+    engine = strategy.step_engine()
     if engine is None or engine.optimizer is None:
         return  # a model set up without an optimizer (inference) has nothing to step
     engine.step()
@@ -87,7 +55,7 @@ def step_after_backward(strategy: Strategy, optimizers: Sequence[AcceleratedOpti
         optimizer.record_engine_step()
 
 
-def global_grad_norm(strategy: Strategy, max_norm: float) -> float | None:
+def global_grad_norm(strategy: ShimStrategy, max_norm: float) -> float | None:
     """The gradient norm of the engine's last step, as Accelerate's ``clip_grad_norm_`` returns it under DeepSpeed.
 
     The engine has already clipped, by the config's ``gradient_clipping``; ``max_norm`` is ignored, as in Accelerate
@@ -97,7 +65,7 @@ def global_grad_norm(strategy: Strategy, max_norm: float) -> float | None:
         The norm as a Python float, or ``None`` before the engine's first step (or without an engine).
 
     """
-    engine = _engine(strategy)
+    engine = strategy.step_engine()
     if engine is None:
         return None
     _warn_if_ignored(float(engine.gradient_clipping()), max_norm)
@@ -114,12 +82,12 @@ def _warn_if_ignored(configured: float, max_norm: float) -> None:
         f" ({configured}); clip_grad_norm_'s max_norm={max_norm} is ignored, as in Accelerate. Set"
         " DeepSpeedPlugin(gradient_clipping=...) (or the config's entry) to change it.",
         UserWarning,
-        stacklevel=4,  # the script that called Accelerator.clip_grad_norm_
+        stacklevel=5,  # the script that called Accelerator.clip_grad_norm_ (through GradientClipping)
     )
 
 
 def engine_scheduler(
-    strategy: Strategy, scheduler: Any, optimizers: Sequence[AcceleratedOptimizer]
+    strategy: ShimStrategy, scheduler: Any, optimizers: Sequence[AcceleratedOptimizer]
 ) -> DeepSpeedSchedulerWrapper | None:
     """What ``prepare`` returns for a ``DummyScheduler``: the engine's scheduler, stepped by the engine (Accelerate's).
 
@@ -138,9 +106,9 @@ def engine_scheduler(
     """
     if not isinstance(scheduler, DummyScheduler):
         return None
-    if not engine_steps_in_backward(strategy):
+    if not strategy.engine_steps_in_backward:
         raise only_deepspeed_error(scheduler=True)
-    engine = _engine(strategy)
+    engine = strategy.step_engine()
     if engine is None or engine.lr_scheduler is None:
         raise ValueError(
             "DummyScheduler was prepared, but no DeepSpeed engine built a scheduler for it. Prepare it in the same"
@@ -150,14 +118,14 @@ def engine_scheduler(
     return DeepSpeedSchedulerWrapper(engine.lr_scheduler, optimizers)
 
 
-def refuse_value_clipping(strategy: Strategy) -> None:
+def refuse_value_clipping(strategy: ShimStrategy) -> None:
     """Refuse ``clip_grad_value_`` under DeepSpeed, as Accelerate does: the engine owns the (sharded) gradients.
 
     Raises:
         RuntimeError: Under DeepSpeed.
 
     """
-    if engine_steps_in_backward(strategy):
+    if strategy.engine_steps_in_backward:
         raise RuntimeError(
             "clip_grad_value_ is not supported under DeepSpeed (as in Accelerate): the engine clips the gradient norm"
             " itself inside accelerator.backward. Set the DeepSpeed config's gradient_clipping (or"

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from lightning_accel._shim.deepspeed import PreparedDeepSpeedStrategy, adopt_config_accumulation
+from lightning_accel._shim.deepspeed import adopt_config_accumulation
 from lightning_accel.config import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -38,7 +38,7 @@ from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
 from lightning_accel.strategies import entry_for
-from lightning_accel.strategies.deepspeed import FabricAcceleratedDeepSpeedStrategy
+from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.strategies.registry import StrategyEntry, entries
 from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
 from lightning_accel.utils.environment import torch_device_from_env
@@ -192,10 +192,6 @@ def _accepted(cls: type, options: Mapping[str, Any], *, open_kwargs: bool = Fals
     return {name: value for name, value in options.items() if name in parameters}
 
 
-# Fabric strategies whose configuration the Accelerator completes from each ``prepare`` call.
-_PREPARED_STRATEGIES: dict[type, type] = {FabricAcceleratedDeepSpeedStrategy: PreparedDeepSpeedStrategy}
-
-
 def build_fabric(
     dtype: DistributedType,
     device: str,
@@ -236,8 +232,7 @@ def build_fabric(
             f" {'drop parallelism_config' if 'parallelism_config' in given else 'pick another plugin'}."
         )
     strategy_options.update(_accepted(entry.fabric_cls, {**handlers, **loop}))
-    strategy_cls = _PREPARED_STRATEGIES.get(entry.fabric_cls, entry.fabric_cls)
-    strategy = strategy_cls(**entry.params(**strategy_options))
+    strategy = entry.fabric_cls(**entry.params(**strategy_options))
     if mixed_precision == PrecisionType.FP16 and device == "cpu" and dtype != DistributedType.DEEPSPEED:
         warnings.warn(
             "mixed_precision='fp16' needs a GPU: this CPU run trains in fp32, as Accelerate's does. Use"
@@ -275,19 +270,18 @@ def _strategy_entry(dtype: DistributedType, plugins: Mapping[str, Any]) -> Strat
     return next(entry for entry in entries() if entry.name == "acc_parallel")
 
 
-def describe_prepare_call(strategy: Any, objects: Sequence[Any], split_batches: bool) -> None:
-    """Tell a strategy whose engine config depends on the ``prepare`` call (DeepSpeed) what the call holds.
+def describe_prepare_call(strategy: ShimStrategy, objects: Sequence[Any], split_batches: bool) -> None:
+    """Tell the strategy what a ``prepare`` call holds (DeepSpeed's engine config depends on it).
 
-    Strategies answer through ``configure_from_prepare``; the others have nothing to configure. Only calls that set up
-    a model build an engine, so only they are described (Accelerate's ``prepare`` reads the same objects, including
+    Strategies answer through ``configure_from_prepare`` (most have nothing to configure). Only calls that set up a
+    model build an engine, so only they are described (Accelerate's ``prepare`` reads the same objects, including
     ``DummyOptim`` / ``DummyScheduler``).
     """
-    configure = getattr(strategy, "configure_from_prepare", None)
-    if configure is None or not any(isinstance(obj, Module) for obj in objects):
+    if not any(isinstance(obj, Module) for obj in objects):
         return
     optimizers = [obj for obj in objects if isinstance(obj, Optimizer)]
     schedulers = [obj for obj in objects if isinstance(obj, (LRScheduler, DummyScheduler))]
-    configure(
+    strategy.configure_from_prepare(
         _batch_sizes([obj for obj in objects if isinstance(obj, DataLoader)]),
         split_batches=split_batches,
         torch_optimizer=any(not isinstance(obj, DummyOptim) for obj in optimizers),

@@ -22,32 +22,37 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.optim import Optimizer
 
 from lightning_accel._shim import engine_step as _engine_step
-from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel._shim.prepared import PreparedObjects
 from lightning_accel.optimizer import AcceleratedOptimizer
+from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.utils.lightning_internals import fabric_forward_module
 
-__all__ = ["GradientControl"]
+__all__ = ["GradientClipping", "raw_optimizer"]
 
 
-class GradientControl:
-    """Accelerate's ``clip_grad_norm_``, ``clip_grad_value_`` and ``unscale_gradients``, for the ``Accelerator``."""
+class GradientClipping:
+    """Accelerate's ``clip_grad_norm_``, ``clip_grad_value_`` and ``unscale_gradients``, delegated to by the shim.
 
-    fabric: Fabric
-    _models: list[AcceleratedModule]
-    _optimizers: list[AcceleratedOptimizer]
+    Args:
+        fabric: The ``Accelerator``'s Fabric (its clipping and precision plugin).
+        strategy: The Fabric's strategy, seen through :class:`~lightning_accel.strategies.protocol.ShimStrategy`.
+        prepared: The prepared models and optimizers.
+
+    """
+
+    def __init__(self, fabric: Fabric, strategy: ShimStrategy, prepared: PreparedObjects) -> None:
+        self.fabric = fabric
+        self._strategy = strategy
+        self._prepared = prepared
 
     def _owner(self, parameters: Any) -> tuple[list[Any], _FabricModule | None]:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         ids = {id(p) for p in params}
-        owners = [m for m in self._models if ids <= {id(p) for p in m.parameters()}]
-        return params, (owners[0] if owners and self._optimizers else None)
+        owners = [m for m in self._prepared.models if ids <= {id(p) for p in m.parameters()}]
+        return params, (owners[0] if owners and self._prepared.optimizers else None)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | float | None:
-        """Clip the gradient norm of ``parameters`` (unscaling fp16 gradients first); returns the total norm.
-
-        The norm is taken over ``parameters`` in the order given, as Accelerate's is. Under DeepSpeed, as in
-        Accelerate: the engine clipped in ``backward`` by its config (``max_norm`` is ignored); returns its last
-        step's norm (a float; ``None`` before the first step).
+        """See :meth:`lightning_accel.Accelerator.clip_grad_norm_`.
 
         Raises:
             ValueError: If ``max_norm`` is negative (it would flip the gradients' sign).
@@ -59,8 +64,8 @@ class GradientControl:
                 " gradients' sign). Pass the largest gradient norm to allow, or do not call clip_grad_norm_."
             )
         strategy = self.fabric.strategy
-        if _engine_step.engine_steps_in_backward(strategy):
-            return _engine_step.global_grad_norm(strategy, max_norm)
+        if self._strategy.engine_steps_in_backward:
+            return _engine_step.global_grad_norm(self._strategy, max_norm)
         params, owner = self._owner(parameters)
         whole_model = owner is not None and len(params) == len(list(owner.parameters()))
         wrapper = fabric_forward_module(owner) if owner is not None else None
@@ -69,25 +74,29 @@ class GradientControl:
             return wrapper.clip_grad_norm_(max_norm, norm_type)
         if owner is not None and whole_model and _clips_itself(strategy):
             norm = self.fabric.clip_gradients(
-                owner, self._optimizers[0].optimizer, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=False
+                owner,
+                self._prepared.optimizers[0].optimizer,
+                max_norm=max_norm,
+                norm_type=norm_type,
+                error_if_nonfinite=False,
             )
             return cast(torch.Tensor, norm)
         self.unscale_gradients()
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` (after unscaling; not DeepSpeed)."""
-        _engine_step.refuse_value_clipping(self.fabric.strategy)
+        """See :meth:`lightning_accel.Accelerator.clip_grad_value_`."""
+        _engine_step.refuse_value_clipping(self._strategy)
         params, _ = self._owner(parameters)
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
     def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
-        """Divide fp16 gradients by the loss scale now (a no-op without a gradient scaler)."""
+        """See :meth:`lightning_accel.Accelerator.unscale_gradients`."""
         precision = self.fabric.strategy.precision
         if getattr(precision, "scaler", None) is None:
             return
-        for opt in [optimizer] if optimizer is not None else self._optimizers:
+        for opt in [optimizer] if optimizer is not None else self._prepared.optimizers:
             precision.unscale_gradients(raw_optimizer(opt))
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_accel._shim.data_loaders import DataLoaderShard
+from lightning_accel.data_loader.loaders import DataLoaderShard
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import RNG_STATE_NAME
 

@@ -8,17 +8,17 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
 from torch.distributed.algorithms import Join, Joinable
 from torch.utils.data import DataLoader
 
-from lightning_accel._shim.data_sharding import BatchSamplerShard
 from lightning_accel._shim.parallelism import data_shards
 from lightning_accel.config import DataLoaderConfiguration
 from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
+from lightning_accel.data_loader.sharding import BatchSamplerShard
 from lightning_accel.enums import DistributedType
 from lightning_accel.state import AcceleratorState, PartialState
+from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.utils.lightning_internals import fabric_forward_module
 
 __all__ = ["DataLoaderControl"]
@@ -46,6 +46,7 @@ class DataLoaderControl:
     device_placement: bool
     rng_types: list[str]
     fabric: Fabric
+    _strategy: ShimStrategy
     state: AcceleratorState
     _dataloaders: list[DataLoaderShard]
 
@@ -102,7 +103,7 @@ class DataLoaderControl:
         config = self.dataloader_config
         state = PartialState()
         place = self.device_placement if device_placement is None else device_placement
-        num_processes, process_index = data_shards(self.fabric.strategy)  # the data-parallel group (mesh's dp)
+        num_processes, process_index = data_shards(self._strategy)  # the data-parallel group (mesh's dp)
         prepared = prepare_data_loader(
             data_loader,
             state.device if place else None,
@@ -144,7 +145,7 @@ class DataLoaderControl:
 
         """
         distributed_type = self.state.distributed_type
-        if distributed_type not in _DATA_PARALLEL or not isinstance(self.fabric.strategy, DDPStrategy):
+        if distributed_type not in _DATA_PARALLEL or not self._strategy.joins_uneven_inputs:
             if distributed_type != DistributedType.NO:
                 warnings.warn(
                     "Joining uneven inputs is only supported for multi-GPU (and, here, multi-CPU) DDP training; under"

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from lightning_accel.config import ParallelismConfig
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.state import AcceleratorState, PartialState
+from lightning_accel.strategies.protocol import ShimStrategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["ParallelismControl", "apply_model_tp_plan", "data_shards", "recorded_plugins"]
 
 
-def recorded_plugins(strategy: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+def recorded_plugins(strategy: ShimStrategy, given: Mapping[str, Any]) -> dict[str, Any]:
     """The plugins the state records: the given ones, with the strategy's FSDP settings, config and mesh.
 
     ``acc_parallel`` fills the config in from the process count (all ones become ``dp_replicate``) and builds the mesh
@@ -38,26 +39,26 @@ def recorded_plugins(strategy: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "dynamo_plugin": given.get("dynamo_plugin"),
         "deepspeed_plugins": given.get("deepspeed_plugin"),
-        "fsdp_plugin": getattr(strategy, "fsdp_plugin", None) or given.get("fsdp_plugin"),
+        "fsdp_plugin": strategy.fsdp_plugin or given.get("fsdp_plugin"),
         "megatron_lm_plugin": given.get("megatron_lm_plugin"),
         "torch_tp_plugin": given.get("torch_tp_plugin"),
-        "parallelism_config": getattr(strategy, "parallelism_config", None) or given.get("parallelism_config"),
-        "device_mesh": getattr(strategy, "torch_device_mesh", None),
+        "parallelism_config": strategy.parallelism_config or given.get("parallelism_config"),
+        "device_mesh": strategy.torch_device_mesh,
     }
 
 
-def data_shards(strategy: Any) -> tuple[int, int]:
+def data_shards(strategy: ShimStrategy) -> tuple[int, int]:
     """``(num_processes, process_index)`` to shard data loaders with: the strategy's data-parallel group.
 
-    A multi-process strategy answers with ``distributed_sampler_kwargs`` (the mesh's ``dp`` dimension for
-    ``acc_parallel``, megatron's data-parallel group for ``acc_megatron_lm``, every process for DDP, FSDP and
-    DeepSpeed), so tensor-parallel peers read the same batches; without one, loaders shard over all processes.
+    A multi-process strategy answers with its data-parallel group (the mesh's ``dp`` dimension for ``acc_parallel``,
+    megatron's data-parallel group for ``acc_megatron_lm``, every process for DDP, FSDP and DeepSpeed), so
+    tensor-parallel peers read the same batches; without one, loaders shard over all processes.
     """
-    kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
-    if not kwargs:
+    shards = strategy.data_parallel_shards()
+    if shards is None:
         state = PartialState()
         return state.num_processes, state.process_index
-    return int(kwargs["num_replicas"]), int(kwargs["rank"])
+    return shards
 
 
 def _parallel_style(name: str, style: Any) -> Any:
@@ -109,6 +110,7 @@ class ParallelismControl:
     """Accelerate's mesh and rank members, ``maybe_context_parallel`` and the engine's plugins, for the Accelerator."""
 
     fabric: Fabric
+    _strategy: ShimStrategy
     state: AcceleratorState
     _warned_context_parallel: bool = False
 
@@ -168,8 +170,8 @@ class ParallelismControl:
             )
         return plugin.deepspeed_config
 
-    def _mesh_rank(self, member: str, enabled: str, what: str) -> int:
-        """The strategy's ``member`` rank; 0 where the config leaves the dimension at size 1, as in Accelerate."""
+    def _mesh_rank(self, dimension: str, enabled: str, what: str) -> int:
+        """The strategy's rank along ``dimension``; 0 where the config leaves it at size 1, as in Accelerate."""
         config = self.parallelism_config
         if config is None:
             raise RuntimeError(
@@ -177,7 +179,7 @@ class ParallelismControl:
             )
         if not getattr(config, enabled):
             return 0
-        return int(getattr(self.fabric.strategy, member))
+        return self._strategy.mesh_rank(dimension)
 
     @property
     def tensor_parallel_rank(self) -> int:
@@ -187,7 +189,7 @@ class ParallelismControl:
             RuntimeError: Without a ``parallelism_config``.
 
         """
-        return self._mesh_rank("tensor_parallel_rank", "tp_enabled", "Tensor parallelism")
+        return self._mesh_rank("tp", "tp_enabled", "Tensor parallelism")
 
     @property
     def data_parallel_rank(self) -> int:
@@ -197,7 +199,7 @@ class ParallelismControl:
             RuntimeError: Without a ``parallelism_config``.
 
         """
-        return self._mesh_rank("data_parallel_rank", "dp_replicate_enabled", "Data parallelism")
+        return self._mesh_rank("dp_replicate", "dp_replicate_enabled", "Data parallelism")
 
     @property
     def data_parallel_shard_rank(self) -> int:
@@ -207,7 +209,7 @@ class ParallelismControl:
             RuntimeError: Without a ``parallelism_config``.
 
         """
-        return self._mesh_rank("data_parallel_shard_rank", "dp_shard_enabled", "Shard-based data parallelism")
+        return self._mesh_rank("dp_shard", "dp_shard_enabled", "Shard-based data parallelism")
 
     @property
     def context_parallel_rank(self) -> int:
@@ -251,6 +253,5 @@ class ParallelismControl:
                 )
             yield
             return
-        strategy: Any = self.fabric.strategy  # acc_parallel: a parallelism_config is given
-        with strategy.context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
+        with self._strategy.context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
             yield

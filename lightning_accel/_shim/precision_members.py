@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 
-from lightning_accel._shim import engine_step
 from lightning_accel.config import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -27,6 +26,7 @@ from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.enums import DistributedType, FP8BackendType, PrecisionType
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import AcceleratorState
+from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.utils.environment import settings_from_env
 
 __all__ = ["PrecisionMembers", "check_fp8_handlers", "handler_attributes"]
@@ -83,6 +83,7 @@ class PrecisionMembers:
     """Accelerate's handler attributes, ``scaler``, ``native_amp`` and the fp8 members, for the ``Accelerator``."""
 
     fabric: Fabric
+    _strategy: ShimStrategy
     state: AcceleratorState
     ddp_handler: DistributedDataParallelKwargs | None = None
     scaler_handler: GradScalerKwargs | None = None
@@ -132,7 +133,7 @@ class PrecisionMembers:
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
         """The fp16 loss scaler of the precision plugin (``None`` without fp16, on CPU and under DeepSpeed)."""
-        if engine_step.engine_steps_in_backward(self.fabric.strategy):
+        if self._strategy.engine_steps_in_backward:
             return None
         return getattr(self._precision, "scaler", None)
 
@@ -140,7 +141,7 @@ class PrecisionMembers:
     def native_amp(self) -> bool:
         """Whether ``torch.autocast`` runs the forward (fp16/bf16/fp8 mixed precision outside DeepSpeed)."""
         precision = self._precision
-        if not isinstance(precision, AcceleratePrecision) or engine_step.engine_steps_in_backward(self.fabric.strategy):
+        if not isinstance(precision, AcceleratePrecision) or self._strategy.engine_steps_in_backward:
             return False
         return precision.mode == "mixed" and precision.compute_dtype in (torch.float16, torch.bfloat16)
 

@@ -307,7 +307,7 @@ def _blocking_marks_step_boundary(strategy: pl.strategies.Strategy) -> bool:
     A DeepSpeed backward outside that context closes the accumulation window (ZeRO replaces the gradients it reduced
     since the last boundary), so ``sync_each_batch`` must not skip it there; elsewhere it only saves the all-reduce.
     """
-    return bool(getattr(strategy, "block_backward_sync_marks_step_boundary", False))
+    return bool(getattr(strategy, "marks_step_boundary", False))
 
 
 @contextlib.contextmanager

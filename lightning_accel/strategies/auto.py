@@ -20,6 +20,7 @@ from typing import Any, ClassVar, cast
 from lightning.fabric.strategies import Strategy as FabricStrategy
 from lightning.pytorch.strategies import Strategy
 
+from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 
 _ConfigSource = str | os.PathLike[str] | Any
@@ -66,7 +67,7 @@ class AcceleratedAutoStrategy(_BuiltFromEnvironment, Strategy):
     _fabric = False
 
 
-class FabricAcceleratedAutoStrategy(_BuiltFromEnvironment, FabricStrategy):
+class FabricAcceleratedAutoStrategy(_BuiltFromEnvironment, FabricStrategy, ShimStrategyDefaults):
     """Fabric twin of :class:`AcceleratedAutoStrategy`; constructing it returns the Fabric strategy."""
 
     _fabric = True

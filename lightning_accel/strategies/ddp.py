@@ -26,6 +26,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.ddp_core import DDPFamily, DDPFamilyAdapter
 from lightning_accel.strategies.precision_bridge import translating
+from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.lightning_internals import lightning_private_members
 
@@ -121,11 +122,14 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
     "_determine_ddp_device_ids",
     "_get_process_group_backend",
 )
-class FabricAcceleratedDDPStrategy(DDPFamilyAdapter, _FabricDDPStrategy):
+class FabricAcceleratedDDPStrategy(ProcessGroupShards, DDPFamilyAdapter, _FabricDDPStrategy, ShimStrategyDefaults):
     """Fabric twin of :class:`AcceleratedDDPStrategy`.
 
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``.
     """
+
+    #: DDP-wrapped models are torch ``Joinable`` (``Accelerator.join_uneven_inputs``).
+    joins_uneven_inputs = True
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ under the Trainer give the numbers of ``ddp`` with gradient accumulation too (se
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -51,11 +51,20 @@ from lightning_accel.strategies.deepspeed_core import (
     process_group_settings,
 )
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
+from lightning_accel.strategies.deepspeed_prepare import (
+    PrepareFacts,
+    check_dummies,
+    dummy_fills,
+    resolve_prepare_config,
+)
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
+from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults, StepEngine
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
+from lightning_accel.utils.deepspeed import DummyOptim
 from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
 from lightning_accel.utils.lightning_internals import (
+    fabric_forward_module,
     lightning_private,
     lightning_private_members,
     set_lightning_private,
@@ -128,7 +137,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     #: :meth:`block_backward_sync` is DeepSpeed's step signal, not only a communication saving: a backward outside
     #: it reaches the accumulation boundary, where ZeRO replaces the gradients it reduced since the last boundary.
     #: Callbacks that skip the context to sync each batch must keep it here (ZeRO 2/3 reduce every micro-batch anyway).
-    block_backward_sync_marks_step_boundary = True
+    marks_step_boundary = True
 
     def __init__(
         self,
@@ -355,13 +364,14 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     "_format_config",
     "_initialize_engine",
 )
-class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
+class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStrategy, ShimStrategyDefaults):
     """Fabric twin of :class:`AcceleratedDeepSpeedStrategy`.
 
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no clipping setting
     and no DataLoader at setup, so the config's ``"auto"`` entries for them become ``0`` and ``1`` (the micro-batch
     size only feeds DeepSpeed's throughput report); ``"auto"`` accumulation becomes ``gradient_accumulation_steps``
-    (default ``1``). ``lightning_accel.Accelerator`` runs a subclass that fills them by Accelerate's rules instead.
+    (default ``1``); ``lightning_accel.Accelerator`` fills them by Accelerate's rules instead, through
+    :meth:`configure_from_prepare`.
     Accumulation follows DeepSpeed's own rules: call ``fabric.backward(loss)`` and ``optimizer.step()`` for every
     micro-batch; the engine divides the loss by ``gradient_accumulation_steps`` and updates the weights on every
     ``gradient_accumulation_steps``-th call. Alternatively, as ``lightning_accel``'s ``Accelerator`` does, run the
@@ -377,6 +387,10 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         ValueError: If ``gradient_accumulation_steps`` and the config's value differ.
 
     """
+
+    #: The engine accumulates and steps inside ``backward``, and ``no_backward_sync`` is its step signal.
+    engine_steps_in_backward = True
+    marks_step_boundary = True
 
     def __init__(
         self,
@@ -416,6 +430,8 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         )
         set_lightning_private(self, "_backward_sync_control", _AccumulationBoundary(self._family))
         self.checkpoint_io = NamingTorchCheckpointIO()
+        self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare
+        self._from_prepare = False
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
@@ -423,6 +439,78 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
         return self._family.plugin
 
     precision = deepspeed_translating(_FabricDeepSpeedStrategy.precision, FabricDeepSpeedPrecision)
+
+    def configure_from_prepare(
+        self,
+        batch_sizes: Sequence[int | None],
+        *,
+        split_batches: bool,
+        torch_optimizer: bool,
+        optimizer: Any = None,
+        scheduler: Any = None,
+    ) -> None:
+        """Fill the config's "auto" entries by Accelerate's rules, for the engine ``Accelerator.prepare`` builds.
+
+        ``lightning_accel.Accelerator`` calls it before it sets up a model (see
+        :mod:`~lightning_accel.strategies.deepspeed_prepare`).
+
+        Args:
+            batch_sizes: Batch sizes of the data loaders in the same call (``None`` where unknown).
+            split_batches: Whether those batches are split over the processes.
+            torch_optimizer: Whether the call holds a torch optimizer.
+            optimizer: The call's optimizer (torch or ``DummyOptim``), if any.
+            scheduler: The call's scheduler (torch or ``DummyScheduler``), if any.
+
+        Raises:
+            ValueError: If the optimizer or scheduler does not match the config's sections (as in Accelerate).
+
+        """
+        plugin = self._family.plugin
+        check_dummies(plugin.deepspeed_config, optimizer, scheduler)
+        self._scheduler_callable = getattr(scheduler, "lr_scheduler_callable", None)
+        self._from_prepare = True
+        fills = dummy_fills(optimizer, scheduler, self.world_size, split_batches)
+        facts = PrepareFacts(
+            world_size=self.world_size,
+            device_type=self.root_device.type,
+            accumulation=self._accumulation or 1,
+            precision=facts_precision(self.precision),
+            batch_sizes=tuple(batch_sizes),
+            split_batches=split_batches,
+            torch_optimizer=torch_optimizer,
+            dummy_fills=tuple(fills.items()),
+        )
+        self._family.config = resolve_prepare_config(
+            plugin.deepspeed_config, facts, is_train_batch_min=plugin.is_train_batch_min
+        )
+        self.config = self._family.config
+
+    def step_engine(self) -> StepEngine | None:
+        """The DeepSpeed engine (``None`` before the model is set up)."""
+        return lightning_private(self, "_deepspeed_engine")
+
+    @contextmanager
+    def step_boundary(self, sync_gradients: bool) -> Generator[None, None, None]:
+        """Tell the engine whether the backward pass in the body ends an accumulation (``sync_gradients``).
+
+        The engine counts its own micro-steps only inside ``step()``, which runs at sync steps alone; a loop that
+        accumulates without ``no_backward_sync`` (``transformers.Trainer``) would otherwise reach the engine's boundary
+        every ``gradient_accumulation_steps`` optimizer steps instead of every step. The boundary is set back to the
+        default (reached) afterwards.
+        """
+        engine = self.step_engine()
+        if engine is None:
+            yield
+            return
+        engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
+        try:
+            yield
+        finally:
+            engine.set_gradient_accumulation_boundary(is_boundary=True)
+
+    def returned_model(self, wrapper: Module) -> Module:
+        """The engine inside Fabric's ``wrapper``, as Accelerate's ``prepare`` returns it."""
+        return fabric_forward_module(wrapper)
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -466,10 +554,24 @@ class FabricAcceleratedDeepSpeedStrategy(_FabricDeepSpeedStrategy):
     ) -> tuple[Any, Any, Any]:
         # A config with an "optimizer" section builds its own: the torch optimizer only names the parameters.
         declared_optimizer = "optimizer" in self._family.config
-        self.config = self._family.engine_config(model, optimizer, None)
-        return self._family.initialize(
-            model, None if declared_optimizer else optimizer, self.local_rank, self.config, lr_scheduler=scheduler
+        dummy = optimizer if isinstance(optimizer, DummyOptim) else None
+        # A DummyOptim's values were filled by configure_from_prepare (if "auto").
+        self.config = self._family.engine_config(model, None if dummy else optimizer, None)
+        given = scheduler
+        if dummy is not None and scheduler is None:
+            scheduler = self._scheduler_callable  # Accelerate gives it only with a DummyOptim
+        engine, ds_optimizer, ds_scheduler = self._family.initialize(
+            model,
+            None if declared_optimizer else optimizer,
+            self.local_rank,
+            self.config,
+            lr_scheduler=scheduler,
+            model_parameters=None if dummy is None else dummy.params,
         )
+        # Fabric's setup returns a scheduler the engine built from the config; under prepare it stays the engine's
+        # (``engine.lr_scheduler``, returned for a DummyScheduler) and setup returns only one it was given.
+        keep = given is not None or not self._from_prepare
+        return engine, ds_optimizer, ds_scheduler if keep else None
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
@@ -502,8 +604,8 @@ class _AccumulationBoundary(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)`` under DeepSpeed: the backward passes inside accumulate (no boundary)."""
 
     # The context is DeepSpeed's step signal, not only a communication saving: every accumulating micro-batch must
-    # run inside it, also with GradientAccumulationPlugin(sync_each_batch=True) (Accelerate sets the boundary too).
-    marks_step_boundary = True
+    # run inside it, also with GradientAccumulationPlugin(sync_each_batch=True) (Accelerate sets the boundary too;
+    # the strategies say so with ``marks_step_boundary``).
 
     def __init__(self, family: DeepSpeedFamily) -> None:
         self._family = family

@@ -5,7 +5,7 @@ Two steps turn a :class:`~lightning_accel.config.DeepSpeedPlugin` into the dicti
 1. :func:`resolve_config` reconciles what the config and the training loop both state (micro-batch size,
    accumulation, clipping, precision): "auto" takes the loop's value, a real conflict is a ``ValueError`` naming both
    values. ``lightning_accel.Accelerator`` fills the same entries by Accelerate's rules instead
-   (:func:`~lightning_accel._shim.deepspeed_prepare.resolve_prepare_config`).
+   (:func:`~lightning_accel.strategies.deepspeed_prepare.resolve_prepare_config`).
 2. :func:`fill_engine_autos` fills the entries only the model and optimizer can answer (optimizer and scheduler
    hyperparameters, hidden-size-based bucket sizes) and refuses any "auto" left.
 

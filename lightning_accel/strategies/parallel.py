@@ -36,6 +36,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.fsdp_core import checkpoint_value, load_target_error
 from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
+from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.lightning_internals import (
     lightning_private,
@@ -215,7 +216,9 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
 
 
 @lightning_private_members("_configure_launcher", "_setup_distributed")
-class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParallelStrategy):
+class FabricAcceleratedParallelStrategy(
+    ProcessGroupShards, ParallelFamilyAdapter, _FabricModelParallelStrategy, ShimStrategyDefaults
+):
     """Fabric twin of :class:`AcceleratedParallelStrategy`.
 
     Args:
@@ -283,6 +286,10 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParal
     @override
     def setup_module(self, module: Module) -> Module:
         return self._parallel.parallelize(self._user_parallelized(module), self.root_device, self.precision)
+
+    def mesh_rank(self, dimension: str) -> int:
+        """The coordinate of this process along the mesh's ``dimension`` (0 where the mesh lacks it)."""
+        return self._parallel.rank(dimension)
 
     @override
     def setup_module_and_optimizers(

@@ -21,6 +21,7 @@ from lightning_accel.config import TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
+from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.compile import apply_dynamo
 from lightning_accel.utils.lightning_internals import (
@@ -119,7 +120,7 @@ class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDevice
 
 
 @lightning_private_members("_configure_launcher")
-class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleDeviceStrategy):
+class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleDeviceStrategy, ShimStrategyDefaults):
     """Fabric twin of :class:`AcceleratedSingleDeviceStrategy` (``precision`` instead of ``precision_plugin``)."""
 
     def __init__(

@@ -46,6 +46,7 @@ from lightning.pytorch.strategies import SingleDeviceXLAStrategy as _TrainerXLAS
 from typing_extensions import override
 
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.lightning_internals import lightning_private
 
@@ -279,7 +280,7 @@ class AcceleratedXLAStrategy(_TrainerXLAStrategy):
         return DistributedType.XLA
 
 
-class FabricAcceleratedXLAStrategy(_FabricXLAStrategy):
+class FabricAcceleratedXLAStrategy(ProcessGroupShards, _FabricXLAStrategy, ShimStrategyDefaults):
     """Fabric strategy for ``DistributedType.XLA``: Lightning's Fabric ``SingleDeviceXLAStrategy`` on PJRT.
 
     Args:

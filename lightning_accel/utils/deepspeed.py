@@ -3,7 +3,7 @@
 With ``"optimizer"`` / ``"scheduler"`` sections in the DeepSpeed config, an Accelerate script passes
 ``DummyOptim(params, lr=..., weight_decay=...)`` and ``DummyScheduler(optimizer, total_num_steps=...,
 warmup_num_steps=...)`` to ``accelerator.prepare``; DeepSpeed builds the real ones from the config, with its
-``"auto"`` entries filled from the dummies' arguments (see :mod:`lightning_accel._shim.deepspeed_prepare`).
+``"auto"`` entries filled from the dummies' arguments (see :mod:`lightning_accel.strategies.deepspeed_prepare`).
 Prepare returns the engine's optimizer and a :class:`~lightning_accel.scheduler.DeepSpeedSchedulerWrapper` of the
 engine's scheduler; the engine steps both inside ``accelerator.backward``.
 

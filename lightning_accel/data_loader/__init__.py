@@ -4,7 +4,8 @@ The order of samples is Accelerate 1.15's for every :class:`~lightning_accel.con
 same script draws the same batches under Accelerate and here:
 
 - map-style datasets (any batch sampler) are dealt by :class:`BatchSamplerShard`; iterable datasets by
-  :class:`IterableDatasetShard` (both in :mod:`lightning_accel._shim.data_sharding`);
+  :class:`IterableDatasetShard` (both in :mod:`lightning_accel.data_loader.sharding`; the loader classes are in
+  :mod:`lightning_accel.data_loader.loaders`, all importable from here);
 - with ``dispatch_batches`` (the default for iterable datasets when batches are placed on the device), only process
   0 iterates the loader and :class:`DataLoaderDispatcher` broadcasts each batch for the processes to slice;
 - with ``use_stateful_dataloader`` the batches come from torchdata's ``StatefulDataLoader`` and the loader's
@@ -22,7 +23,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from typing_extensions import Self, override
 
-from lightning_accel._shim.data_loaders import (
+from lightning_accel.data_loader.loaders import (
     DataLoaderDispatcher,
     DataLoaderShard,
     DataLoaderStateMixin,
@@ -30,7 +31,7 @@ from lightning_accel._shim.data_loaders import (
     stateful_dataloader_class,
     stateful_variant,
 )
-from lightning_accel._shim.data_sharding import BatchSamplerShard, IterableDatasetShard, check_split_batch_size
+from lightning_accel.data_loader.sharding import BatchSamplerShard, IterableDatasetShard, check_split_batch_size
 from lightning_accel.state import GradientState, PartialState
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The loader classes ``Accelerator.prepare`` returns: :class:`DataLoaderShard` and :class:`DataLoaderDispatcher`.
 
-:class:`DataLoaderShard` iterates this process's share of the data (see :mod:`lightning_accel._shim.data_sharding`), one
-batch ahead so that ``end_of_dataloader`` is known while the last batch is processed. :class:`DataLoaderDispatcher`
+:class:`DataLoaderShard` iterates this process's share of the data (see :mod:`lightning_accel.data_loader.sharding`),
+one batch ahead so that ``end_of_dataloader`` is known while the last batch is processed. :class:`DataLoaderDispatcher`
 is Accelerate's dispatch mode: process 0 reads, every process receives its slice. Both can draw their batches from
 torchdata's ``StatefulDataLoader`` (``use_stateful_dataloader``), whose state ``state_dict()`` returns.
 """
@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import Self, override
 
-from lightning_accel._shim.data_sharding import BatchSamplerShard
+from lightning_accel.data_loader.sharding import BatchSamplerShard
 from lightning_accel.state import GradientState, PartialState
 from lightning_accel.utils.operations import (
     broadcast,

@@ -1,0 +1,207 @@
+"""What ``lightning_accel.Accelerator`` asks of the Fabric strategy it runs on, declared once.
+
+The shim never branches on a strategy's class: every ``acc_*`` Fabric strategy answers the questions of
+:class:`ShimStrategy` (most with the do-nothing answers of :class:`ShimStrategyDefaults`, listed last among its bases so
+that Lightning's and the family adapters' members take precedence), and the DeepSpeed, FSDP and ``acc_parallel``
+strategies give their own answers where their engine differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch.nn import Module
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
+    from lightning_accel.enums import DistributedType
+
+__all__ = ["ShimStrategy", "ShimStrategyDefaults", "StepEngine", "as_shim_strategy"]
+
+
+class StepEngine(Protocol):
+    """A training engine that steps inside ``Accelerator.backward`` (DeepSpeed's ``DeepSpeedEngine``)."""
+
+    optimizer: Any
+    lr_scheduler: Any
+
+    def step(self) -> None:
+        """Clip, step the optimizer (and the config's scheduler) and zero the gradients at a boundary."""
+
+    def gradient_clipping(self) -> float:
+        """The norm the engine clips to."""
+
+    def get_global_grad_norm(self) -> Any:
+        """The gradient norm of the last step (``None`` before the first)."""
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Whether the coming backward pass ends an accumulation."""
+
+
+class ShimStrategy(Protocol):
+    """The members of a Fabric strategy that ``lightning_accel.Accelerator`` reads.
+
+    Attributes:
+        engine_steps_in_backward: Whether the engine accumulates and steps inside ``backward`` (DeepSpeed): the
+            prepared optimizer's ``step`` then does nothing and ``clip_grad_norm_`` reports the engine's norm.
+        marks_step_boundary: Whether skipping gradient synchronisation (``no_backward_sync``) is also the engine's
+            signal that the optimizer does not step yet, so it must be entered even with ``sync_each_batch``.
+        joins_uneven_inputs: Whether the models it wraps are torch ``Joinable`` (DDP), for ``join_uneven_inputs``.
+
+    """
+
+    engine_steps_in_backward: bool
+    marks_step_boundary: bool
+    joins_uneven_inputs: bool
+
+    @property
+    def distributed_type(self) -> DistributedType | None:
+        """The Accelerate type the strategy runs, ``None`` where the launch decides it."""
+
+    @property
+    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None:
+        """The FSDP settings the strategy shards with, ``None`` without FSDP."""
+
+    @property
+    def parallelism_config(self) -> ParallelismConfig | None:
+        """The mesh sizes in use, ``None`` without a ``ParallelismConfig``."""
+
+    @property
+    def torch_device_mesh(self) -> DeviceMesh | None:
+        """The device mesh, ``None`` without one."""
+
+    def configure_from_prepare(
+        self,
+        batch_sizes: Sequence[int | None],
+        *,
+        split_batches: bool,
+        torch_optimizer: bool,
+        optimizer: Any = None,
+        scheduler: Any = None,
+    ) -> None:
+        """Complete the engine's configuration from an ``Accelerator.prepare`` call that holds a model."""
+
+    def step_boundary(self, sync_gradients: bool) -> AbstractContextManager[None]:
+        """A context telling the engine whether the backward pass inside ends an accumulation."""
+
+    def step_engine(self) -> StepEngine | None:
+        """The engine that steps inside ``backward`` (``None`` without one, or before the model is set up)."""
+
+    def checkpoint_engine(self) -> object | None:
+        """The handler that writes the engine's own model and optimizer files (``EngineCheckpoint``), or ``None``."""
+
+    def data_parallel_shards(self) -> tuple[int, int] | None:
+        """``(num_replicas, rank)`` of the data-parallel group, ``None`` to shard over every process."""
+
+    def mesh_rank(self, dimension: str) -> int:
+        """The coordinate of this process along a device-mesh dimension (``"tp"``, ``"dp_replicate"``, ...)."""
+
+    def context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> AbstractContextManager[None]:
+        """A context sharding ``buffers`` along their sequence dimension over the mesh's ``cp`` dimension."""
+
+    def returned_model(self, wrapper: Module) -> Module:
+        """What ``Accelerator.prepare`` hands back for a model set up into Fabric's ``wrapper``."""
+
+
+class ShimStrategyDefaults:
+    """The do-nothing answers to :class:`ShimStrategy`, for strategies without an engine of their own.
+
+    List it last among a strategy's bases: Lightning's and the family adapters' members (``distributed_type``,
+    ``fsdp_plugin``, ...) then take precedence over these defaults.
+    """
+
+    engine_steps_in_backward: bool = False
+    marks_step_boundary: bool = False
+    joins_uneven_inputs: bool = False
+    distributed_type: Any = None
+    fsdp_plugin: Any = None
+    parallelism_config: Any = None
+    torch_device_mesh: Any = None
+
+    def configure_from_prepare(
+        self,
+        batch_sizes: Sequence[int | None],
+        *,
+        split_batches: bool,
+        torch_optimizer: bool,
+        optimizer: Any = None,
+        scheduler: Any = None,
+    ) -> None:
+        """Nothing to configure: the engine does not depend on the ``prepare`` call."""
+
+    def step_boundary(self, sync_gradients: bool) -> AbstractContextManager[None]:
+        """No engine to tell: an empty context."""
+        return nullcontext()
+
+    def step_engine(self) -> StepEngine | None:
+        """No engine steps inside ``backward``."""
+        return None
+
+    def checkpoint_engine(self) -> object | None:
+        """No engine-specific checkpoint files: the shim saves the model and optimizers itself."""
+        return None
+
+    def data_parallel_shards(self) -> tuple[int, int] | None:
+        """Shard data over every process."""
+        return None
+
+    def mesh_rank(self, dimension: str) -> int:
+        """No mesh: every coordinate is 0."""
+        return 0
+
+    def context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> AbstractContextManager[None]:
+        """No context parallelism: an empty context."""
+        return nullcontext()
+
+    def returned_model(self, wrapper: Module) -> Module:
+        """Fabric's wrapper itself."""
+        return wrapper
+
+
+class _ProcessGroupStrategy(Protocol):
+    @property
+    def distributed_sampler_kwargs(self) -> Mapping[str, Any] | None: ...
+
+
+class ProcessGroupShards:
+    """``data_parallel_shards`` from Lightning's ``distributed_sampler_kwargs`` (the strategy's data-parallel group).
+
+    List it first among the bases of a multi-process strategy (DDP, FSDP, DeepSpeed, ``acc_parallel``, XLA).
+    """
+
+    def data_parallel_shards(self: _ProcessGroupStrategy) -> tuple[int, int] | None:
+        """``(num_replicas, rank)`` of the strategy's sampler arguments, ``None`` when it has none."""
+        kwargs = self.distributed_sampler_kwargs
+        if not kwargs:
+            return None
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+
+def as_shim_strategy(strategy: object) -> ShimStrategy:
+    """``strategy`` seen through :class:`ShimStrategy`, checked once when the ``Accelerator`` builds it.
+
+    Raises:
+        TypeError: If ``strategy`` does not derive from :class:`ShimStrategyDefaults` (not an ``acc_*`` strategy).
+
+    """
+    if not isinstance(strategy, ShimStrategyDefaults):
+        raise TypeError(
+            f"lightning_accel.Accelerator runs on acc_* Fabric strategies, got {type(strategy).__name__}: add"
+            " ShimStrategyDefaults (lightning_accel.strategies.protocol) to its bases and answer ShimStrategy."
+        )
+    return strategy
