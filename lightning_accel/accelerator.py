@@ -66,13 +66,13 @@ from lightning_accel.config import (
 )
 from lightning_accel.data_loader import DataLoaderShard, check_rng_types
 from lightning_accel.enums import DynamoBackend
+from lightning_accel.launch_settings import accelerator_kwargs, settings_from_env
 from lightning_accel.optimizer import AcceleratedOptimizer, DeepSpeedOptimizerWrapper
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
 from lightning_accel.tracking.registry import check_logging_dir
 from lightning_accel.utils import modeling, operations
-from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
 from lightning_accel.utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 from lightning_accel.utils.lightning_internals import lightning_private
 from lightning_accel.utils.other import extract_model_from_parallel

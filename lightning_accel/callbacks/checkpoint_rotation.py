@@ -20,13 +20,13 @@ from typing_extensions import override
 from lightning_accel.callbacks.rng import gather_rng_states, restore_rng_states, states_for_rank
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.config._validation import check_positive_int
+from lightning_accel.state.shared_errors import run_where
 from lightning_accel.utils.lightning_internals import (
     lightning_private,
     lightning_private_members,
     set_lightning_private,
 )
 from lightning_accel.utils.node_copies import complete_on_each_node
-from lightning_accel.utils.shared_errors import run_where
 
 __all__ = ["CheckpointRotation", "complete_checkpoints", "latest_checkpoint"]
 

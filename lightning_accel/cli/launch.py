@@ -17,9 +17,9 @@ from typing import Any
 from lightning_accel.config import _arguments
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, section_settings
 from lightning_accel.enums import DistributedType
+from lightning_accel.launch_settings import env_from_settings
 from lightning_accel.strategies.megatron_core import check_plugin as check_megatron_plugin
 from lightning_accel.strategies.registry import entry_for
-from lightning_accel.utils.environment import env_from_settings
 from lightning_accel.utils.launch import _CPU_THREAD_ENV, _DEFAULT_PORT, _VISIBLE_DEVICES
 
 __all__ = ["LaunchPlan", "parallelism_settings", "plan_launch", "run_plan"]
