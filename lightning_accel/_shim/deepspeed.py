@@ -16,12 +16,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel._shim.deepspeed_prepare import PrepareFacts, check_dummies, dummy_fills, resolve_prepare_config
+from lightning_accel.lightning_compat import lightning_private_members
 from lightning_accel.logging import get_logger
 from lightning_accel.state import GradientState
 from lightning_accel.strategies.deepspeed import FabricAcceleratedDeepSpeedStrategy
 from lightning_accel.strategies.deepspeed_fp8 import facts_precision
 from lightning_accel.utils.deepspeed import DummyOptim
-from lightning_accel.utils.lightning_internals import lightning_private_members
 
 __all__ = ["PreparedDeepSpeedStrategy", "adopt_config_accumulation"]
 

@@ -19,8 +19,8 @@ from torch.nn import Module
 
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel.lightning_compat import fabric_forward_module, get_register_backward_hook
 from lightning_accel.utils.deepspeed import DeepSpeedEngineWrapper
-from lightning_accel.utils.lightning_internals import fabric_forward_module, lightning_private
 
 __all__ = ["DeepSpeedMembers"]
 
@@ -86,4 +86,4 @@ class DeepSpeedMembers:
 
 
 def _guard_outputs(prepared: AcceleratedModule, output: Any) -> None:
-    apply_to_collection(output, Tensor, lightning_private(prepared, "_register_backward_hook"))
+    apply_to_collection(output, Tensor, get_register_backward_hook(prepared))

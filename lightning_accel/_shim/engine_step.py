@@ -21,10 +21,10 @@ from typing import Any
 from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_accel.lightning_compat import get_deepspeed_engine
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import DeepSpeedSchedulerWrapper
 from lightning_accel.utils.deepspeed import DummyScheduler, only_deepspeed_error
-from lightning_accel.utils.lightning_internals import lightning_private
 
 __all__ = [
     "SCHEDULERS",
@@ -48,7 +48,7 @@ def engine_steps_in_backward(strategy: Strategy) -> bool:
 
 def _engine(strategy: Strategy) -> Any:
     """The engine of a DeepSpeed ``strategy`` (``None`` before its setup)."""
-    return lightning_private(strategy, "_deepspeed_engine")
+    return get_deepspeed_engine(strategy)
 
 
 @contextmanager

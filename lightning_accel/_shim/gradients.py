@@ -23,8 +23,8 @@ from torch.optim import Optimizer
 
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.optimizer import AcceleratedOptimizer
-from lightning_accel.utils.lightning_internals import fabric_forward_module
 
 __all__ = ["GradientControl"]
 
