@@ -105,7 +105,7 @@ def _launch_config(
     """The elastic agent's ``LaunchConfig`` (a static rendezvous gets this node's rank)."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    from lightning_accel.utils.rendezvous import fresh_static_backend
+    from lightning_accel.launch_settings.rendezvous import fresh_static_backend
 
     configs = dict(rdzv_conf or {})
     if rdzv_backend == "static":

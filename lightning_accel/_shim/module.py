@@ -178,7 +178,7 @@ def evaluation_module(model: Module, strategy: Strategy, device: Any, dynamo_plu
     sharding); it is moved to ``device`` (unless ``None``) and compiled as ``dynamo_plugin`` says. Its train/eval
     mode is left as it is.
     """
-    from lightning_accel.utils.compile import apply_dynamo
+    from lightning_accel.strategies.compile import apply_dynamo
 
     if device is not None:
         model = model.to(device)

@@ -246,12 +246,12 @@ def _run_static_with_fresh_stores(args: Any) -> None:
     """``torch.distributed.run`` with its static rendezvous replaced by one that gives every restart a new store.
 
     torch's static rendezvous (the agents meet on a fixed port) keeps one store for all attempts, the same fault as
-    above: see :mod:`lightning_accel.utils.rendezvous`.
+    above: see :mod:`lightning_accel.launch_settings.rendezvous`.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
-    from lightning_accel.utils.rendezvous import fresh_static_backend
+    from lightning_accel.launch_settings.rendezvous import fresh_static_backend
 
     if args.master_port is None:
         args.master_port = _DEFAULT_PORT  # as torch.distributed.run does

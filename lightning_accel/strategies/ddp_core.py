@@ -24,8 +24,8 @@ from lightning_accel.config.devices import (
 )
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType
 from lightning_accel.lightning_compat import set_process_group_backend
+from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.precision_bridge import bind_precision
-from lightning_accel.utils.compile import apply_dynamo
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")

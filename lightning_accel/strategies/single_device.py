@@ -21,9 +21,9 @@ from lightning_accel.config import TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import get_root_device, lightning_private_members, set_root_device
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
+from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.compile import apply_dynamo
 
 
 def _pick_device(
