@@ -68,6 +68,8 @@ from lightning_accel.config import (
 from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.data_loader import DataLoaderShard, check_rng_types
 from lightning_accel.enums import DynamoBackend
+from lightning_accel.launch_settings import accelerator_kwargs, settings_from_env
+from lightning_accel.lightning_compat import get_backward_sync_control
 from lightning_accel.optimizer import AcceleratedOptimizer, DeepSpeedOptimizerWrapper
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
@@ -76,9 +78,7 @@ from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trac
 from lightning_accel.tracking.registry import check_logging_dir
 from lightning_accel.utils import modeling, operations
 from lightning_accel.utils.deepspeed import DeepSpeedEngineWrapper
-from lightning_accel.utils.environment import accelerator_kwargs, settings_from_env
 from lightning_accel.utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
-from lightning_accel.utils.lightning_internals import lightning_private
 from lightning_accel.utils.other import extract_model_from_parallel
 
 __all__ = ["Accelerator"]
@@ -461,7 +461,7 @@ class Accelerator(
     @contextmanager
     def no_sync(self, model: Module) -> Generator[None, None, None]:
         """Skip gradient synchronisation in the body (a no-op where the strategy has nothing to skip)."""
-        if lightning_private(self.fabric.strategy, "_backward_sync_control") is None:
+        if get_backward_sync_control(self.fabric.strategy) is None:
             yield
             return
         model = self._returned.wrapper_of(model)

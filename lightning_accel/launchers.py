@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from lightning_accel.enums import DistributedType, PrecisionType
+from lightning_accel.launch_settings.patching import patch_environment
 from lightning_accel.state import AcceleratorState, PartialState, reset_state
-from lightning_accel.utils.environment_patching import patch_environment
 from lightning_accel.utils.imports import (
     is_hpu_available,
     is_mlu_available,
@@ -105,7 +105,7 @@ def _launch_config(
     """The elastic agent's ``LaunchConfig`` (a static rendezvous gets this node's rank)."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    from lightning_accel.utils.rendezvous import fresh_static_backend
+    from lightning_accel.launch_settings.rendezvous import fresh_static_backend
 
     configs = dict(rdzv_conf or {})
     if rdzv_backend == "static":

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.state import AcceleratorState, GradientState
-from lightning_accel.utils.nested import honor_type
+from lightning_accel.utils.operations import honor_type
 
 __all__ = ["AcceleratedOptimizer", "DeepSpeedOptimizerWrapper", "move_to_device", "patch_optimizer_step"]
 

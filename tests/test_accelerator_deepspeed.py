@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_accel.strategies.deepspeed_prepare import PrepareFacts, resolve_prepare_config
 from lightning_accel.strategies.deepspeed_core import fill_engine_autos, optimizer_hparams, resolve_config
+from lightning_accel.strategies.deepspeed_prepare import PrepareFacts, resolve_prepare_config
 from lightning_accel.utils import DeepSpeedPlugin
 
 pytest.importorskip("accelerate")

@@ -20,14 +20,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import Accelerator
+from lightning_accel.state import reset_state
+from lightning_accel.strategies.deepspeed_core import fill_engine_autos
 from lightning_accel.strategies.deepspeed_prepare import (
     PrepareFacts,
     check_dummies,
     dummy_fills,
     resolve_prepare_config,
 )
-from lightning_accel.state import reset_state
-from lightning_accel.strategies.deepspeed_core import fill_engine_autos
 from lightning_accel.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
 from tests.helpers import clean_env, free_port
 

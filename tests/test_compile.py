@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_accel
 from lightning_accel.strategies import AcceleratedSingleDeviceStrategy
+from lightning_accel.strategies.compile import apply_dynamo, compile_regions_in_place
 from lightning_accel.utils import TorchDynamoPlugin
-from lightning_accel.utils.compile import apply_dynamo, compile_regions_in_place
 
 FLAGS = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 

@@ -63,6 +63,9 @@ PUBLIC_MODULES = (
 # level whose name does not start with "_" must be in PUBLIC_MODULES.
 NOT_DOCUMENTED = {
     "lightning_accel.accelerator": "its one name, Accelerator, is documented at the top level, where users import it",
+    "lightning_accel.lightning_compat": "internal: checked access to Lightning's private members, not a user API",
+    "lightning_accel.launch_settings": "the launcher's machinery; its Accelerate names are documented at "
+    "lightning_accel.utils.environment, which re-exports them",
 }
 
 _DIRECTIVE = re.compile(r"^::: *(?P<path>[\w.]+) *$")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_accel.utils.shared_errors import raise_on_every_process, run_where, shareable
+from lightning_accel.state.shared_errors import raise_on_every_process, run_where, shareable
 from tests import restarts
 from tests.helpers import SCRIPTS, clean_env, free_port, run_python
 

@@ -1,4 +1,4 @@
-"""Lightning's private members are used only through ``lightning_accel.utils.lightning_internals``.
+"""Lightning's private members are used only through ``lightning_accel.lightning_compat``.
 
 The scan reads the package's source: a private member of a Lightning base class that one of our classes overrides or
 calls must be declared with ``lightning_private_members`` (checked when the class is defined), a private attribute of
@@ -25,7 +25,7 @@ from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
 
 import lightning_accel
-from lightning_accel.utils.lightning_internals import (
+from lightning_accel.lightning_compat import (
     declared_lightning_privates,
     lightning_private,
     lightning_private_members,

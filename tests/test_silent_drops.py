@@ -105,7 +105,7 @@ def test_patching_a_private_lightning_member_checks_that_it_exists() -> None:
     import lightning.pytorch as pl
 
     from lightning_accel.callbacks._patching import InstancePatch
-    from lightning_accel.utils.lightning_internals import lightning_private
+    from lightning_accel.lightning_compat import lightning_private
 
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     loop = trainer.fit_loop.epoch_loop

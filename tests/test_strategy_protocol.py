@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.fabric.strategies import DDPStrategy
+from lightning_accel.utils.lightning_internals import lightning_private
 from torch import nn
 
 import lightning_accel
@@ -19,7 +20,6 @@ from lightning_accel.strategies.protocol import ShimStrategy, ShimStrategyDefaul
 from lightning_accel.strategies.registry import entries
 from lightning_accel.strategies.single_device import FabricAcceleratedSingleDeviceStrategy
 from lightning_accel.utils import DeepSpeedPlugin
-from lightning_accel.utils.lightning_internals import lightning_private
 from tests.helpers import reset_accelerator_states
 
 PACKAGE = Path(lightning_accel.__file__).parent

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_accel.checkpointing import checkpoint_folders
-from lightning_accel.utils.shared_errors import run_where
+from lightning_accel.state.shared_errors import run_where
 
 __all__ = ["SaveTarget", "on_disk_managers", "publish", "remove_stale", "rotate"]
 

@@ -19,9 +19,9 @@ from torch.nn import Module
 from lightning_accel._shim.module import AcceleratedModule
 from lightning_accel._shim.prepared import PreparedObjects
 from lightning_accel.config import ParallelismConfig
+from lightning_accel.lightning_compat import fabric_forward_module, get_register_backward_hook
 from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.utils.deepspeed import DeepSpeedEngineWrapper
-from lightning_accel.utils.lightning_internals import fabric_forward_module, lightning_private
 
 __all__ = ["ReturnedModels", "ulysses_loader"]
 
@@ -85,4 +85,4 @@ def ulysses_loader(dl: Any, parallelism_config: ParallelismConfig | None) -> Any
 
 
 def _guard_outputs(prepared: AcceleratedModule, output: Any) -> None:
-    apply_to_collection(output, Tensor, lightning_private(prepared, "_register_backward_hook"))
+    apply_to_collection(output, Tensor, get_register_backward_hook(prepared))

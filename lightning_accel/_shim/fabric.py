@@ -34,6 +34,7 @@ from lightning_accel.config.devices import backend_for_device
 from lightning_accel.config.fp8 import AORecipeKwargs, FP8RecipeKwargs, TERecipeKwargs
 from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.enums import DistributedType, PrecisionType
+from lightning_accel.launch_settings import torch_device_from_env
 from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
@@ -41,7 +42,6 @@ from lightning_accel.strategies import entry_for
 from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.strategies.registry import StrategyEntry, entries
 from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
-from lightning_accel.utils.environment import torch_device_from_env
 
 __all__ = ["Launch", "build_fabric", "describe_prepare_call", "detect_launch", "split_handlers"]
 

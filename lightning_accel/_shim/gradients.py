@@ -23,9 +23,9 @@ from torch.optim import Optimizer
 
 from lightning_accel._shim import engine_step as _engine_step
 from lightning_accel._shim.prepared import PreparedObjects
+from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.strategies.protocol import ShimStrategy
-from lightning_accel.utils.lightning_internals import fabric_forward_module
 
 __all__ = ["GradientClipping", "raw_optimizer"]
 

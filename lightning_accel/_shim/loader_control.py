@@ -17,9 +17,9 @@ from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard, p
 from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
 from lightning_accel.data_loader.sharding import BatchSamplerShard
 from lightning_accel.enums import DistributedType
+from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.state import AcceleratorState, PartialState
 from lightning_accel.strategies.protocol import ShimStrategy
-from lightning_accel.utils.lightning_internals import fabric_forward_module
 
 __all__ = ["DataLoaderControl"]
 

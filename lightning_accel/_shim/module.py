@@ -22,12 +22,14 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_accel.precision.base import AcceleratePrecision
-from lightning_accel.utils.lightning_internals import (
+from lightning_accel.lightning_compat import (
     fabric_forward_module,
-    lightning_private,
+    get_in_fabric_backward,
+    get_original_module,
+    get_strategy,
     lightning_private_members,
 )
+from lightning_accel.precision.base import AcceleratePrecision
 
 __all__ = [
     "AcceleratedModule",
@@ -115,7 +117,7 @@ class AcceleratedModule(_FabricModule):
         # object.__setattr__: Fabric's __setattr__ would forward these names to the user's module as well.
         object.__setattr__(module, "__class__", cls)
         adopted: AcceleratedModule = module  # type: ignore[assignment]  # its class was just replaced
-        strategy = lightning_private(adopted, "_strategy")
+        strategy = get_strategy(adopted)
         object.__setattr__(adopted, "_backward_guard", backward_guard(strategy))
         if adopted._modules.get("_forward_module") is fabric_forward_module(adopted):  # where forward reads it
             object.__setattr__(adopted, "_direct_forward_strategy", strategy)
@@ -150,7 +152,7 @@ class AcceleratedModule(_FabricModule):
             if "_modules" not in self.__dict__ or item.startswith("__"):
                 raise  # half-built (copying, unpickling) or a special name: nothing to forward to
             wrapper = fabric_forward_module(self)
-            if wrapper is lightning_private(self, "_original_module") or not hasattr(wrapper, item):
+            if wrapper is get_original_module(self) or not hasattr(wrapper, item):
                 raise
             return getattr(wrapper, item)
 
@@ -163,7 +165,7 @@ class AcceleratedModule(_FabricModule):
     def _refuse_plain_backward(self, *_: Any) -> None:
         from lightning.fabric import wrappers
 
-        if not lightning_private(wrappers, "_in_fabric_backward"):
+        if not get_in_fabric_backward(wrappers):
             raise RuntimeError(
                 f"Call `accelerator.backward(loss)` instead of `loss.backward()`: {self._backward_guard}."
             )
@@ -176,7 +178,7 @@ def evaluation_module(model: Module, strategy: Strategy, device: Any, dynamo_plu
     sharding); it is moved to ``device`` (unless ``None``) and compiled as ``dynamo_plugin`` says. Its train/eval
     mode is left as it is.
     """
-    from lightning_accel.utils.compile import apply_dynamo
+    from lightning_accel.strategies.compile import apply_dynamo
 
     if device is not None:
         model = model.to(device)

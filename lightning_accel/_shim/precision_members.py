@@ -24,10 +24,10 @@ from lightning_accel.config import (
 from lightning_accel.config.fp8 import AORecipeKwargs, FP8RecipeKwargs, TERecipeKwargs
 from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.enums import DistributedType, FP8BackendType, PrecisionType
+from lightning_accel.launch_settings import settings_from_env
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import AcceleratorState
 from lightning_accel.strategies.protocol import ShimStrategy
-from lightning_accel.utils.environment import settings_from_env
 
 __all__ = ["PrecisionMembers", "check_fp8_handlers", "handler_attributes"]
 

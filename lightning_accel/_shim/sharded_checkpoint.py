@@ -31,10 +31,10 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accel.lightning_compat import fabric_forward_module, get_original_module
 from lightning_accel.precision.fp8 import refresh_float8_scales
 from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, MODEL_NAME, OPTIMIZER_NAME
-from lightning_accel.utils.lightning_internals import fabric_forward_module, lightning_private
 
 __all__ = ["DeepSpeedCheckpoint", "EngineCheckpoint", "FSDPCheckpoint", "engine_checkpoint", "engine_module"]
 
@@ -52,7 +52,7 @@ def engine_module(model: Module, prepared: Sequence[Module] = ()) -> Module:
     if isinstance(model, _FabricModule):
         return fabric_forward_module(model)
     for candidate in prepared:
-        if isinstance(candidate, _FabricModule) and lightning_private(candidate, "_original_module") is model:
+        if isinstance(candidate, _FabricModule) and get_original_module(candidate) is model:
             return fabric_forward_module(candidate)
     return model
 

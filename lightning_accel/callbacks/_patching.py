@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_accel.utils.lightning_internals import lightning_private
+from lightning_accel.lightning_compat import lightning_private
 
 _MISSING = object()
 

@@ -20,13 +20,19 @@ from typing_extensions import override
 from lightning_accel.callbacks.rng import gather_rng_states, restore_rng_states, states_for_rank
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.config._validation import check_positive_int
-from lightning_accel.utils.lightning_internals import (
-    lightning_private,
+from lightning_accel.lightning_compat import (
+    get_checkpoint_connector,
+    get_every_n_epochs,
+    get_every_n_train_steps,
+    get_last_global_step_saved,
+    get_should_accumulate,
     lightning_private_members,
-    set_lightning_private,
+    set_fs,
+    set_last_checkpoint_saved,
+    set_last_global_step_saved,
 )
+from lightning_accel.state.shared_errors import run_where
 from lightning_accel.utils.node_copies import complete_on_each_node
-from lightning_accel.utils.shared_errors import run_where
 
 __all__ = ["CheckpointRotation", "complete_checkpoints", "latest_checkpoint"]
 
@@ -146,13 +152,13 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        set_lightning_private(self, "_fs", get_filesystem(self._directory))
+        set_fs(self, get_filesystem(self._directory))
         if stage == "fit":
             self._on_managers(trainer, self._remove_incomplete)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        set_lightning_private(self, "_last_global_step_saved", trainer.global_step)
+        set_last_global_step_saved(self, trainer.global_step)
         if self._saved_rng_states is None:
             return
         states = states_for_rank(self._saved_rng_states, trainer.global_rank, trainer.world_size)
@@ -171,15 +177,15 @@ class CheckpointRotation(ModelCheckpoint):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step, every = trainer.global_step, lightning_private(self, "_every_n_train_steps")
-        if every < 1 or self._skip(trainer) or step == lightning_private(self, "_last_global_step_saved"):
+        step, every = trainer.global_step, get_every_n_train_steps(self)
+        if every < 1 or self._skip(trainer) or step == get_last_global_step_saved(self):
             return
         if step % every == 0:
             self.save(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        every = lightning_private(self, "_every_n_epochs")
+        every = get_every_n_epochs(self)
         if every < 1 or self._skip(trainer):
             return
         if (trainer.current_epoch + 1) % every == 0:
@@ -247,7 +253,7 @@ class CheckpointRotation(ModelCheckpoint):
         return str(final)
 
     def _write(self, trainer: pl.Trainer, temporary: Path) -> None:
-        checkpoint = lightning_private(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)
+        checkpoint = get_checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
         trainer.strategy.save_checkpoint(checkpoint, temporary)
         trainer.strategy.barrier("CheckpointRotation.write")
         if self._is_other_node_manager(trainer) and not temporary.exists():
@@ -270,8 +276,8 @@ class CheckpointRotation(ModelCheckpoint):
                     _remove(entry)
 
     def _record(self, trainer: pl.Trainer, path: str) -> None:
-        set_lightning_private(self, "_last_global_step_saved", trainer.global_step)
-        set_lightning_private(self, "_last_checkpoint_saved", path)
+        set_last_global_step_saved(self, trainer.global_step)
+        set_last_checkpoint_saved(self, path)
         self.last_model_path = self.best_model_path = path
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -298,7 +304,7 @@ class CheckpointRotation(ModelCheckpoint):
         )
 
     def _warn_if_mid_window(self, trainer: pl.Trainer) -> None:
-        if self._warned_mid_window or not lightning_private(trainer.fit_loop, "_should_accumulate")():
+        if self._warned_mid_window or not get_should_accumulate(trainer.fit_loop)():
             return
         self._warned_mid_window = True
         rank_zero_warn(

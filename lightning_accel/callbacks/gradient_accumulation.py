@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_accel.callbacks._patching import InstancePatch
 from lightning_accel.config import GradientAccumulationPlugin
 from lightning_accel.config._validation import check_bool, check_positive_int
-from lightning_accel.utils.lightning_internals import lightning_private, lightning_private_members
+from lightning_accel.lightning_compat import get_make_zero_grad_fn, lightning_private_members
 
 __all__ = ["GradientAccumulation", "MicroBatch", "plan_micro_batch"]
 
@@ -236,7 +236,7 @@ class GradientAccumulation(Callback):
     def _install(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         optimization = epoch_loop.automatic_optimization
-        make_zero_grad_fn = lightning_private(optimization, "_make_zero_grad_fn")
+        make_zero_grad_fn = get_make_zero_grad_fn(optimization)
 
         def should_accumulate() -> bool:
             if epoch_loop.batch_progress.current.ready == 0:

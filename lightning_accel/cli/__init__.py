@@ -190,7 +190,7 @@ def launch_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Command-line settings over the config file (``--config_file``, else the default file if it exists)."""
     from lightning_accel.cli.launch import parallelism_settings
     from lightning_accel.config import load_config
-    from lightning_accel.utils.environment import default_config_file
+    from lightning_accel.launch_settings import default_config_file
 
     path = Path(args.config_file) if args.config_file else default_config_file()
     config = load_config(path) if args.config_file or path.is_file() else None
@@ -220,7 +220,7 @@ def _data_parallel_on_cpu(settings: dict[str, Any]) -> None:
 
 def _run_launch(args: argparse.Namespace) -> int:
     from lightning_accel.cli.launch import plan_launch, run_plan
-    from lightning_accel.utils.environment import cpu_threads_per_process
+    from lightning_accel.launch_settings import cpu_threads_per_process
 
     _refuse_unsupported(args)
     passthrough = [

@@ -78,7 +78,7 @@ def add_config_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 def _write_default(mixed_precision: str, config_file: str | None) -> int:
     from lightning_accel.config import write_machine_config
-    from lightning_accel.utils.environment import default_config_file
+    from lightning_accel.launch_settings import default_config_file
 
     written = write_machine_config(mixed_precision, config_file or default_config_file())
     if written is False:
@@ -103,7 +103,7 @@ def _run_config_default(args: argparse.Namespace) -> int:
 
 def _run_config_update(args: argparse.Namespace) -> int:
     from lightning_accel.config import load_config
-    from lightning_accel.utils.environment import default_config_file
+    from lightning_accel.launch_settings import default_config_file
 
     path = Path(args.config_file) if args.config_file else default_config_file()
     if not path.is_file():
@@ -229,8 +229,8 @@ def _describe_options(options: dict[str, Any]) -> list[str]:
 
 def _run_trainer_args(args: argparse.Namespace) -> int:
     from lightning_accel.config import load_config
+    from lightning_accel.launch_settings import default_config_file, env_from_settings
     from lightning_accel.strategies.arguments import settings_trainer_kwargs, strategy_entry, strategy_options
-    from lightning_accel.utils.environment import default_config_file, env_from_settings
 
     config = load_config(args.config_file or default_config_file())
     settings = config.settings()

@@ -75,7 +75,7 @@ def _config_lines(path: Path, passed: bool) -> list[str]:
 
 def _run_env(args: argparse.Namespace) -> int:
     import lightning_accel
-    from lightning_accel.utils.environment import default_config_file
+    from lightning_accel.launch_settings import default_config_file
 
     print(f"lightning_accel: {lightning_accel.__version__}")
     print(f"Platform: {platform.platform()}")

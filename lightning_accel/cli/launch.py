@@ -17,9 +17,9 @@ from typing import Any
 from lightning_accel.config import _arguments
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, section_settings
 from lightning_accel.enums import DistributedType
+from lightning_accel.launch_settings import env_from_settings
 from lightning_accel.strategies.megatron_core import check_plugin as check_megatron_plugin
 from lightning_accel.strategies.registry import entry_for
-from lightning_accel.utils.environment import env_from_settings
 from lightning_accel.utils.launch import _CPU_THREAD_ENV, _DEFAULT_PORT, _VISIBLE_DEVICES
 
 __all__ = ["LaunchPlan", "parallelism_settings", "plan_launch", "run_plan"]
@@ -246,12 +246,12 @@ def _run_static_with_fresh_stores(args: Any) -> None:
     """``torch.distributed.run`` with its static rendezvous replaced by one that gives every restart a new store.
 
     torch's static rendezvous (the agents meet on a fixed port) keeps one store for all attempts, the same fault as
-    above: see :mod:`lightning_accel.utils.rendezvous`.
+    above: see :mod:`lightning_accel.launch_settings.rendezvous`.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
-    from lightning_accel.utils.rendezvous import fresh_static_backend
+    from lightning_accel.launch_settings.rendezvous import fresh_static_backend
 
     if args.master_port is None:
         args.master_port = _DEFAULT_PORT  # as torch.distributed.run does

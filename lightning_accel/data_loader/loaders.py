@@ -19,6 +19,7 @@ from typing_extensions import Self, override
 
 from lightning_accel.data_loader.sharding import BatchSamplerShard
 from lightning_accel.state import GradientState, PartialState
+from lightning_accel.state.shared_errors import shareable
 from lightning_accel.utils.operations import (
     broadcast,
     broadcast_object_list,
@@ -29,7 +30,6 @@ from lightning_accel.utils.operations import (
     slice_tensors,
 )
 from lightning_accel.utils.random import set_rng_states, synchronize_rng_states
-from lightning_accel.utils.shared_errors import shareable
 
 __all__ = [
     "DataLoaderDispatcher",

@@ -21,13 +21,13 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_accel.config import AutocastKwargs, GradScalerKwargs
-from lightning_accel.utils.lightning_internals import lightning_private, lightning_private_members
+from lightning_accel.lightning_compat import get_trainer, lightning_private_members
 
 Mode = Literal["mixed", "true"]
 
 
 def _in_trainer(module: Module | None) -> bool:
-    return isinstance(module, LightningModule) and lightning_private(module, "_trainer") is not None
+    return isinstance(module, LightningModule) and get_trainer(module) is not None
 
 
 def default_device_type() -> str:

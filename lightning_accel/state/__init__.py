@@ -84,14 +84,14 @@ class PartialState(_SharedState):
         super().__init__()
         if not self.initialized:
             self._join_launch(cpu, kwargs)
-        from lightning_accel.utils.environment import parse_flag_from_env
+        from lightning_accel.launch_settings.env import parse_flag_from_env
 
         # Read at every instance, as Accelerate does: set by the launchers that own the process group.
         self.fork_launched = parse_flag_from_env("FORK_LAUNCHED")
 
     def _join_launch(self, cpu: bool, init_kwargs: dict[str, Any]) -> None:
         from lightning_accel.config.devices import backend_for_device, default_collective_backend
-        from lightning_accel.utils.environment import torch_device_from_env
+        from lightning_accel.launch_settings.env import torch_device_from_env
 
         environment = _launch_environment()
         env_device = None if cpu else torch_device_from_env()
@@ -200,7 +200,7 @@ class PartialState(_SharedState):
 
     @staticmethod
     def _share_outcome(error: BaseException | None) -> None:
-        from lightning_accel.utils.shared_errors import raise_on_every_process  # utils/__init__ imports this module
+        from lightning_accel.state.shared_errors import raise_on_every_process
 
         raise_on_every_process(error, "main_process_first")
 

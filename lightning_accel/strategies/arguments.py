@@ -24,9 +24,9 @@ from lightning_accel.config._arguments import (
     uses_parallelism,
 )
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, build_dynamo_plugin
+from lightning_accel.launch_settings import resolve_settings
 from lightning_accel.precision import FP8Precision
 from lightning_accel.strategies.registry import StrategyEntry, entries, entry_for
-from lightning_accel.utils.environment import resolve_settings
 
 if TYPE_CHECKING:
     from lightning_accel.config.file import AccelerateConfig

@@ -23,12 +23,12 @@ from typing_extensions import override
 from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
+from lightning_accel.lightning_compat import lightning_private_members
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.ddp_core import DDPFamily, DDPFamilyAdapter
 from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.lightning_internals import lightning_private_members
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 

@@ -23,9 +23,9 @@ from lightning_accel.config.devices import (
     import_collective_backend,
 )
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType
+from lightning_accel.lightning_compat import set_process_group_backend
+from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.precision_bridge import bind_precision
-from lightning_accel.utils.compile import apply_dynamo
-from lightning_accel.utils.lightning_internals import set_lightning_private
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
@@ -192,7 +192,7 @@ class DDPFamilyAdapter:
     def _init_process_group(self: _Host) -> None:
         """Choose the collective backend and create the default process group (world ranks already set)."""
         backend = self._get_process_group_backend()
-        set_lightning_private(self, "_process_group_backend", backend)
+        set_process_group_backend(self, backend)
         assert self.cluster_environment is not None
         self._family.init_process_group(self.cluster_environment, backend, self.root_device)
 

@@ -43,6 +43,16 @@ from typing_extensions import override
 
 from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.lightning_compat import (
+    fabric_forward_module,
+    get_config_initialized,
+    get_data_source,
+    get_deepspeed_engine,
+    get_trainer,
+    lightning_private_members,
+    set_backward_sync_control,
+    set_config_initialized,
+)
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.deepspeed_core import (
     DeepSpeedFamily,
@@ -63,12 +73,6 @@ from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.deepspeed import DummyOptim
 from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
-from lightning_accel.utils.lightning_internals import (
-    fabric_forward_module,
-    lightning_private,
-    lightning_private_members,
-    set_lightning_private,
-)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -215,7 +219,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     @override
     def _format_config(self) -> None:
         module = self.lightning_module
-        trainer = None if module is None else lightning_private(module, "_trainer")
+        trainer = None if module is None else get_trainer(module)
         self.config = self._family.resolve(self._training_facts(trainer))
         accumulation = self.config["gradient_accumulation_steps"]
         if trainer is not None and trainer.accumulate_grad_batches != accumulation:
@@ -239,7 +243,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         )
 
     def _train_batch_size(self, trainer: pl.Trainer) -> int | None:
-        source = lightning_private(trainer.fit_loop, "_data_source")
+        source = get_data_source(trainer.fit_loop)
         if not source.is_defined():
             return None
         sizes = set(_batch_sizes(source.dataloader()))
@@ -428,7 +432,7 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
             exclude_frozen_parameters=exclude_frozen_parameters,
             logging_level=logging_level,
         )
-        set_lightning_private(self, "_backward_sync_control", _AccumulationBoundary(self._family))
+        set_backward_sync_control(self, _AccumulationBoundary(self._family))
         self.checkpoint_io = NamingTorchCheckpointIO()
         self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare
         self._from_prepare = False
@@ -487,7 +491,7 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
 
     def step_engine(self) -> StepEngine | None:
         """The DeepSpeed engine (``None`` before the model is set up)."""
-        return lightning_private(self, "_deepspeed_engine")
+        return get_deepspeed_engine(self)
 
     @contextmanager
     def step_boundary(self, sync_gradients: bool) -> Generator[None, None, None]:
@@ -534,9 +538,9 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
         reset_seed()
         self._set_world_ranks()
         self._init_deepspeed_distributed()
-        if not lightning_private(self, "_config_initialized"):
+        if not get_config_initialized(self):
             self._format_config()
-            set_lightning_private(self, "_config_initialized", True)
+            set_config_initialized(self, True)
 
     @override
     def _format_config(self) -> None:
@@ -575,7 +579,7 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        if not lightning_private(self, "_config_initialized"):
+        if not get_config_initialized(self):
             raise RuntimeError(
                 "The DeepSpeed config is decided when the processes start: call `fabric.launch()` before"
                 " `fabric.init_module()`."

@@ -30,8 +30,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
+from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.deepspeed_env import plugin_from_lightning_variable
-from lightning_accel.utils.compile import apply_dynamo
 from lightning_accel.utils.constants import WEIGHTS_NAME
 
 INSTALL_HINT = "pip install 'lightning-accel[deepspeed]'"

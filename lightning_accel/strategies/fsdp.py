@@ -32,15 +32,16 @@ from typing_extensions import override
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.lightning_compat import (
+    get_forward_redirection,
+    get_layer_sync,
+    lightning_private_members,
+    set_backward_sync_control,
+)
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter, checkpoint_value, load_target_error
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.lightning_internals import (
-    lightning_private,
-    lightning_private_members,
-    set_lightning_private,
-)
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -114,7 +115,7 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
         self.accelerator.setup(trainer)
         sharded = self._sharded_model_of(self.model)
         if sharded is None:
-            layer_sync = lightning_private(self, "_layer_sync")
+            layer_sync = get_layer_sync(self)
             if layer_sync:
                 self.model = layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
@@ -223,7 +224,7 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
         """
         assert self.model is not None and self.lightning_module is not None
         with context():
-            redirect = lightning_private(self, "_forward_redirection")
+            redirect = get_forward_redirection(self)
             return redirect(self.model, self.lightning_module, method, *args, **kwargs)
 
     @override
@@ -314,7 +315,7 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
             precision=precision,
             start_method=start_method,
         )
-        set_lightning_private(self, "_backward_sync_control", _FSDPBackwardSyncControl(self._fsdp))
+        set_backward_sync_control(self, _FSDPBackwardSyncControl(self._fsdp))
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
 
     @property

@@ -33,16 +33,18 @@ from typing_extensions import override
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
 from lightning_accel.enums import DistributedType
+from lightning_accel.lightning_compat import (
+    get_device_mesh,
+    get_forward_redirection,
+    get_parallelize_fn,
+    lightning_private_members,
+    set_device_mesh,
+)
 from lightning_accel.strategies.fsdp_core import checkpoint_value, load_target_error
 from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.lightning_internals import (
-    lightning_private,
-    lightning_private_members,
-    set_lightning_private,
-)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -110,9 +112,9 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
         """Start the process group, build Accelerate's mesh and hand it to the LightningModule's ``device_mesh``."""
         self._setup_distributed()
         mesh = self._parallel.build_mesh(self.root_device.type)
-        set_lightning_private(self, "_device_mesh", mesh)
+        set_device_mesh(self, mesh)
         assert self.lightning_module is not None
-        set_lightning_private(self.lightning_module, "_device_mesh", mesh)
+        set_device_mesh(self.lightning_module, mesh)
 
     @property
     @override
@@ -170,7 +172,7 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
         """Run a step through the model's ``forward`` so an FSDP2 root on the LightningModule gathers first."""
         assert self.model is not None and self.lightning_module is not None
         with context():
-            redirect = lightning_private(self, "_forward_redirection")
+            redirect = get_forward_redirection(self)
             return redirect(self.model, self.lightning_module, method, *args, **kwargs)
 
     @contextmanager
@@ -276,7 +278,7 @@ class FabricAcceleratedParallelStrategy(
     def setup_environment(self) -> None:
         """Start the process group and build Accelerate's mesh (``device_mesh`` and ``torch_device_mesh``)."""
         self._setup_distributed()
-        set_lightning_private(self, "_device_mesh", self._parallel.build_mesh(self.root_device.type))
+        set_device_mesh(self, self._parallel.build_mesh(self.root_device.type))
 
     @property
     @override
@@ -312,7 +314,7 @@ class FabricAcceleratedParallelStrategy(
     def _user_parallelized(self, module: Module) -> Module:
         if self.device_mesh is None:
             return module
-        result = lightning_private(self, "_parallelize_fn")(module, self.device_mesh)
+        result = get_parallelize_fn(self)(module, self.device_mesh)
         if not isinstance(result, Module):
             raise TypeError(f"`parallelize_fn` must return the nn.Module, got {type(result).__name__}.")
         return result
@@ -320,7 +322,7 @@ class FabricAcceleratedParallelStrategy(
     @property
     @override
     def device_mesh(self) -> DeviceMesh:  # None with a single process
-        mesh: DeviceMesh = lightning_private(self, "_device_mesh")
+        mesh: DeviceMesh = get_device_mesh(self)
         return mesh
 
     @override

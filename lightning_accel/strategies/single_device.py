@@ -19,16 +19,12 @@ from typing_extensions import override
 
 from lightning_accel.config import TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.lightning_compat import get_root_device, lightning_private_members, set_root_device
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
+from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.compile import apply_dynamo
-from lightning_accel.utils.lightning_internals import (
-    lightning_private,
-    lightning_private_members,
-    set_lightning_private,
-)
 
 
 def _pick_device(
@@ -58,14 +54,14 @@ class _SingleDeviceAdapter:
         """Keep the constructor's own arguments, once Lightning has parsed the device into ``_root_device``."""
         self._strategy_name = strategy_name
         self._dynamo_plugin = dynamo_plugin
-        self._explicit_device: torch.device | None = lightning_private(self, "_root_device") if device_given else None
+        self._explicit_device: torch.device | None = get_root_device(self) if device_given else None
         # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
         self.parallel_devices = None
 
     def _pick_device_and_bind(self, precision: Any) -> None:
         """Settle the device (the explicit one, else Lightning's single pick) and bind ``precision`` to it."""
         device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
-        set_lightning_private(self, "_root_device", device)
+        set_root_device(self, device)
         bind_precision(precision, [device])
 
     def _compiled(self, module: Module) -> Module:

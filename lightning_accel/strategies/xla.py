@@ -46,9 +46,9 @@ from lightning.pytorch.strategies import SingleDeviceXLAStrategy as _TrainerXLAS
 from typing_extensions import override
 
 from lightning_accel.enums import DistributedType
+from lightning_accel.lightning_compat import get_accelerator_connector, get_parallel_devices, get_trainer
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.lightning_internals import lightning_private
 
 __all__ = [
     "AcceleratedXLAStrategy",
@@ -268,10 +268,10 @@ class AcceleratedXLAStrategy(_TrainerXLAStrategy):
     @override
     def setup_environment(self) -> None:
         module = self.lightning_module
-        trainer = None if module is None else lightning_private(module, "_trainer")
+        trainer = None if module is None else get_trainer(module)
         if trainer is not None:  # the connector's devices; a single-device strategy reports one whatever was asked
-            connector = lightning_private(trainer, "_accelerator_connector")
-            _check_one_device(len(lightning_private(connector, "_parallel_devices")))
+            connector = get_accelerator_connector(trainer)
+            _check_one_device(len(get_parallel_devices(connector)))
         super().setup_environment()
 
     @property

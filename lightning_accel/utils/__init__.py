@@ -108,6 +108,7 @@ from lightning_accel.utils.deepspeed import (
 from lightning_accel.utils.environment import (
     are_libraries_initialized,
     check_cuda_p2p_ib_support,
+    clear_environment,
     convert_dict_to_env_variables,
     get_cpu_distributed_information,
     get_current_device_type,
@@ -115,14 +116,11 @@ from lightning_accel.utils.environment import (
     get_int_from_env,
     parse_choice_from_env,
     parse_flag_from_env,
+    patch_environment,
+    purge_accelerate_environment,
     set_numa_affinity,
     str_to_bool,
     write_basic_config,
-)
-from lightning_accel.utils.environment_patching import (
-    clear_environment,
-    patch_environment,
-    purge_accelerate_environment,
 )
 from lightning_accel.utils.fsdp_utils import (
     disable_fsdp_ram_efficient_loading,

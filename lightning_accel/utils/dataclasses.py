@@ -56,7 +56,7 @@ from lightning_accel.enums import (
     SageMakerDistributedType,
 )
 from lightning_accel.utils.fsdp2_prepare import get_module_class_from_name
-from lightning_accel.utils.nested import TensorInformation
+from lightning_accel.utils.operations import TensorInformation
 
 __all__ = [
     "AORecipeKwargs",

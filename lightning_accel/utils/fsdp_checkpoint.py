@@ -73,7 +73,7 @@ def _settings(fsdp_plugin: Any) -> _Settings:
 
 def _module(model: Any) -> torch.nn.Module:
     """The FSDP module of a prepared model (Fabric's wrapper peeled off), or ``model`` itself."""
-    from lightning_accel.utils.lightning_internals import fabric_forward_module
+    from lightning_accel.lightning_compat import fabric_forward_module
 
     return fabric_forward_module(model)
 

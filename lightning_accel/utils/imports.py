@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,9 +20,8 @@ from typing import Any, TypeVar
 import torch
 from packaging.version import parse
 
-from lightning_accel.utils.environment import parse_flag_from_env
-from lightning_accel.utils.environment_patching import patch_environment
-from lightning_accel.utils.environment_system import check_cuda_fp8_capability
+from lightning_accel.launch_settings.env import parse_flag_from_env
+from lightning_accel.launch_settings.patching import patch_environment
 from lightning_accel.utils.versions import compare_versions, is_torch_version
 
 __all__ = [
@@ -559,3 +560,34 @@ def deepspeed_required(func: _F) -> _F:
         return func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _nvidia_smi_capability() -> tuple[int, ...] | None:
+    """The first GPU's compute capability as ``nvidia-smi`` reports it (``None`` without a working nvidia-smi)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    query = [smi, "--query-gpu=compute_capability", "--format=csv,noheader"]
+    try:
+        first = subprocess.run(query, capture_output=True, text=True, check=True, timeout=30).stdout.split()[0]
+        return tuple(int(part) for part in first.split("."))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+
+
+@functools.lru_cache
+def check_cuda_fp8_capability() -> bool:
+    """Whether the first CUDA GPU can compute in fp8 (compute capability 8.9 or newer: Ada, Hopper, Blackwell).
+
+    The capability is read from ``nvidia-smi`` when it answers, so CUDA is not initialised; otherwise from torch.
+
+    Raises:
+        RuntimeError: If there is no CUDA GPU to ask about (check ``torch.cuda.is_available()`` first).
+
+    """
+    capability = _nvidia_smi_capability()
+    if capability is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("check_cuda_fp8_capability needs a CUDA GPU, and none is visible here (nor nvidia-smi)")
+        capability = tuple(torch.cuda.get_device_capability())
+    return capability >= (8, 9)

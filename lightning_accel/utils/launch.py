@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_accel.config._settings import SETTINGS
 from lightning_accel.enums import DistributedType, DynamoBackend, PrecisionType
-from lightning_accel.utils.environment import env_from_settings
+from lightning_accel.launch_settings import env_from_settings
 
 __all__ = ["prepare_multi_gpu_env"]
 

@@ -357,14 +357,7 @@ def load_checkpoint_in_model(
             "`infer_auto_device` function."
         )
     if device_map is not None:
-        check_tied_parameters_on_same_device(tied_params, device_map)
-        if "disk" in device_map.values():
-            if offload_folder is None:
-                raise ValueError(
-                    "At least one of the model submodule will be offloaded to disk, please pass along an "
-                    "`offload_folder`."
-                )
-            os.makedirs(offload_folder, exist_ok=True)
+        _prepare_device_map(device_map, tied_params, offload_folder)
 
     files = _checkpoint_files(checkpoint)
     model_tensors = model.state_dict(keep_vars=True)
@@ -384,17 +377,8 @@ def load_checkpoint_in_model(
             )
             unexpected -= model_keys
             continue
-        loaded = load_state_dict(checkpoint_file, device_map=device_map)
-        _check_shapes(model_tensors, loaded, checkpoint_file)
-        extra = {name for name in loaded if name not in model_keys and "SCB" not in name}
-        if strict and extra:
-            raise ValueError(
-                f"The checkpoint at {checkpoint} has tensors the model does not: {sorted(extra)}; pass strict=False "
-                "to ignore them."
-            )
-        unexpected |= extra
-        loader.place(loaded, skipped=extra)
-        del loaded  # frees the shard before the next one is read (a dict of tensors has no cycles: no gc needed)
+        assert device_map is not None  # a loader exists only with a device map
+        unexpected |= _place_shard(loader, checkpoint_file, device_map, model_tensors, strict, checkpoint)
 
     if unexpected:
         logger.warning(
@@ -410,6 +394,40 @@ def load_checkpoint_in_model(
         offloaded = set(loader.offload_index)
         offloaded |= {name for group in tied_params if offloaded.intersection(group) for name in group}
         _refuse_tensors_left_on_meta(model, offloaded, files)
+
+
+def _prepare_device_map(
+    device_map: Mapping[str, DeviceLike], tied_params: list[list[str]], offload_folder: str | os.PathLike[str] | None
+) -> None:
+    """Refuse tied weights split across devices and disk offload without a folder; create the folder."""
+    check_tied_parameters_on_same_device(tied_params, device_map)
+    if "disk" in device_map.values():
+        if offload_folder is None:
+            raise ValueError(
+                "At least one of the model submodule will be offloaded to disk, please pass along an `offload_folder`."
+            )
+        os.makedirs(offload_folder, exist_ok=True)
+
+
+def _place_shard(
+    loader: _ShardLoader,
+    checkpoint_file: str,
+    device_map: Mapping[str, DeviceLike],
+    model_tensors: dict[str, Any],
+    strict: bool,
+    checkpoint: str | os.PathLike[str],
+) -> set[str]:
+    """Read one shard onto the devices ``device_map`` gives and place it; returns the names the model lacks."""
+    loaded = load_state_dict(checkpoint_file, device_map=device_map)
+    _check_shapes(model_tensors, loaded, checkpoint_file)
+    extra = {name for name in loaded if name not in model_tensors and "SCB" not in name}
+    if strict and extra:
+        raise ValueError(
+            f"The checkpoint at {checkpoint} has tensors the model does not: {sorted(extra)}; pass strict=False "
+            "to ignore them."
+        )
+    loader.place(loaded, skipped=extra)
+    return extra
 
 
 def _check_shapes(

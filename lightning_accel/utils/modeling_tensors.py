@@ -11,7 +11,8 @@ import inspect
 import logging
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from dataclasses import dataclass
+from typing import Any, TypeAlias, cast
 
 import torch
 from torch import nn
@@ -193,14 +194,8 @@ def set_module_tensor_to_device(
 
     """
     owner, name = _owner_and_name(module, tensor_name)
-    if name not in owner._parameters and name not in owner._buffers:
-        raise ValueError(f"{owner} does not have a parameter or a buffer named {name}.")
-    old_value = getattr(owner, name)
-    if old_value is None:
-        raise ValueError(f"{tensor_name!r} is registered as None on {owner}; there is no tensor to move.")
-    is_buffer = name in owner._buffers
+    old_value = _registered_tensor(owner, name, tensor_name)
     target = resolve_device(device)
-
     shared = _shared_tied_copy(tied_params_map, target, value, old_value)
     if shared is not None:
         owner._parameters[name] = shared  # type: ignore[assignment]
@@ -209,51 +204,100 @@ def set_module_tensor_to_device(
         raise ValueError(f"{tensor_name} is on the meta device, we need a `value` to put in on {device}.")
 
     value_ptr = value.data_ptr() if value is not None else None
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.replace("torch.", ""))
+    cast_to: torch.dtype | None = getattr(torch, dtype.replace("torch.", "")) if isinstance(dtype, str) else dtype
     param_cls: type[Any] = type(owner._parameters.get(name))
     if value is not None:
-        if old_value.shape != value.shape and param_cls.__name__ != "Params4bit":
-            raise ValueError(
-                f'Trying to set a tensor of shape {value.shape} in "{tensor_name}" (which has shape '
-                f"{old_value.shape}), this looks incorrect."
-            )
-        if dtype is None:
-            value = value.to(old_value.dtype, non_blocking=non_blocking)
-        elif not _is_integer_dtype(value.dtype):
-            value = value.to(dtype, non_blocking=non_blocking)
-
+        value = _cast_new_value(value, old_value, cast_to, param_cls, tensor_name, non_blocking)
     with torch.no_grad():
-        if value is None:
-            new_value = old_value.to(target, non_blocking=non_blocking)
-            if dtype is not None and target.type == "meta":
-                if not _is_integer_dtype(old_value.dtype):
-                    new_value = new_value.to(dtype)
-                if not is_buffer:
-                    owner._parameters[name] = param_cls(new_value, requires_grad=old_value.requires_grad)
-        elif param_cls.__name__ in _QUANTIZED_PARAMETER_CLASSES and target.type != "meta":
-            new_value = value.to("cpu")  # quantized on its way to ``target`` (see _rebuild_parameter)
-        else:
-            new_value = value.to(target, non_blocking=non_blocking)
-
-        if is_buffer:
-            owner._buffers[name] = new_value
-        elif value is not None or not check_device_same(target, owner._parameters[name].device):  # type: ignore[union-attr]
-            old_param = owner._parameters[name]
-            assert old_param is not None
-            owner._parameters[name] = _rebuild_parameter(old_param, new_value, target)  # type: ignore[assignment]
-            if fp16_statistics is not None:
-                owner._parameters[name].SCB = fp16_statistics.to(target)  # type: ignore[union-attr]
-
+        _place(owner, name, old_value, value, _PlaceOptions(target, cast_to, param_cls, non_blocking, fp16_statistics))
     if clear_cache and target.type not in ("cpu", "meta"):
         clear_device_cache()
-
     if tied_params_map is not None:
-        placed = getattr(owner, name)
-        for ptr in (old_value.data_ptr(), value_ptr):
-            if ptr is not None and ptr in tied_params_map and target not in tied_params_map[ptr]:
-                tied_params_map[ptr][target] = placed
-                break
+        _record_tied_copy(tied_params_map, getattr(owner, name), target, (old_value.data_ptr(), value_ptr))
+
+
+def _registered_tensor(owner: nn.Module, name: str, tensor_name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` of ``owner``; refused when unknown or registered as None."""
+    if name not in owner._parameters and name not in owner._buffers:
+        raise ValueError(f"{owner} does not have a parameter or a buffer named {name}.")
+    old_value = getattr(owner, name)
+    if old_value is None:
+        raise ValueError(f"{tensor_name!r} is registered as None on {owner}; there is no tensor to move.")
+    return cast(torch.Tensor, old_value)
+
+
+def _cast_new_value(
+    value: torch.Tensor,
+    old_value: torch.Tensor,
+    dtype: torch.dtype | None,
+    param_cls: type[Any],
+    tensor_name: str,
+    non_blocking: bool,
+) -> torch.Tensor:
+    """``value`` checked against the old shape and cast to ``dtype`` (or the old dtype); integer data keeps its own."""
+    if old_value.shape != value.shape and param_cls.__name__ != "Params4bit":
+        raise ValueError(
+            f'Trying to set a tensor of shape {value.shape} in "{tensor_name}" (which has shape '
+            f"{old_value.shape}), this looks incorrect."
+        )
+    if dtype is None:
+        return value.to(old_value.dtype, non_blocking=non_blocking)
+    if not _is_integer_dtype(value.dtype):
+        return value.to(dtype, non_blocking=non_blocking)
+    return value
+
+
+@dataclass(frozen=True)
+class _PlaceOptions:
+    target: torch.device
+    dtype: torch.dtype | None
+    param_cls: type[Any]
+    non_blocking: bool
+    fp16_statistics: torch.Tensor | None
+
+
+def _moved_value(
+    owner: nn.Module, name: str, old_value: torch.Tensor, value: torch.Tensor | None, options: _PlaceOptions
+) -> torch.Tensor:
+    """The tensor to store: the old one moved (cast on the meta device), or the new data on its way to the target."""
+    target = options.target
+    if value is None:
+        new_value = old_value.to(target, non_blocking=options.non_blocking)
+        if options.dtype is not None and target.type == "meta":
+            if not _is_integer_dtype(old_value.dtype):
+                new_value = new_value.to(options.dtype)
+            if name not in owner._buffers:
+                owner._parameters[name] = options.param_cls(new_value, requires_grad=old_value.requires_grad)
+        return new_value
+    if options.param_cls.__name__ in _QUANTIZED_PARAMETER_CLASSES and target.type != "meta":
+        return value.to("cpu")  # quantized on its way to ``target`` (see _rebuild_parameter)
+    return value.to(target, non_blocking=options.non_blocking)
+
+
+def _place(
+    owner: nn.Module, name: str, old_value: torch.Tensor, value: torch.Tensor | None, options: _PlaceOptions
+) -> None:
+    """Store the moved tensor in ``owner``: a buffer as it is, a parameter rebuilt with its class."""
+    new_value = _moved_value(owner, name, old_value, value, options)
+    target = options.target
+    if name in owner._buffers:
+        owner._buffers[name] = new_value
+    elif value is not None or not check_device_same(target, owner._parameters[name].device):  # type: ignore[union-attr]
+        old_param = owner._parameters[name]
+        assert old_param is not None
+        owner._parameters[name] = _rebuild_parameter(old_param, new_value, target)  # type: ignore[assignment]
+        if options.fp16_statistics is not None:
+            owner._parameters[name].SCB = options.fp16_statistics.to(target)  # type: ignore[union-attr]
+
+
+def _record_tied_copy(
+    tied_params_map: TiedParamsMap, placed: torch.Tensor, target: torch.device, pointers: tuple[int | None, ...]
+) -> None:
+    """Record ``placed`` as the copy on ``target`` of the first tied weight (by data pointer) not yet placed there."""
+    for ptr in pointers:
+        if ptr is not None and ptr in tied_params_map and target not in tied_params_map[ptr]:
+            tied_params_map[ptr][target] = placed
+            break
 
 
 def get_non_persistent_buffers(module: nn.Module, recurse: bool = False, fqns: bool = False) -> set[str]:

@@ -27,7 +27,7 @@ from typing import BinaryIO
 import torch
 import torch.distributed as dist
 
-from lightning_accel.utils.shared_errors import raise_on_every_process
+from lightning_accel.state.shared_errors import raise_on_every_process
 
 __all__ = ["CHUNK_BYTES", "FileCopy", "complete_on_each_node", "list_files", "plan_copies"]
 

@@ -31,10 +31,40 @@ __all__ = [
     "LIGHTNING_PRIVATES_ATTRIBUTE",
     "declared_lightning_privates",
     "fabric_forward_module",
+    "get_accelerator_connector",
+    "get_backward_sync_control",
+    "get_checkpoint_connector",
+    "get_config_initialized",
+    "get_data_source",
+    "get_deepspeed_engine",
+    "get_device_mesh",
+    "get_every_n_epochs",
+    "get_every_n_train_steps",
+    "get_forward_redirection",
+    "get_in_fabric_backward",
+    "get_last_global_step_saved",
+    "get_layer_sync",
+    "get_make_zero_grad_fn",
+    "get_original_module",
+    "get_parallel_devices",
+    "get_parallelize_fn",
+    "get_register_backward_hook",
+    "get_root_device",
+    "get_should_accumulate",
+    "get_strategy",
+    "get_trainer",
     "lightning_private",
     "lightning_private_members",
     "missing_private_error",
+    "set_backward_sync_control",
+    "set_config_initialized",
+    "set_device_mesh",
+    "set_fs",
+    "set_last_checkpoint_saved",
+    "set_last_global_step_saved",
     "set_lightning_private",
+    "set_process_group_backend",
+    "set_root_device",
 ]
 
 _Class = TypeVar("_Class", bound=type)
@@ -174,3 +204,156 @@ def declared_lightning_privates(cls: type) -> frozenset[str]:
     for base in cls.__mro__:
         declared |= vars(base).get(LIGHTNING_PRIVATES_ATTRIBUTE, frozenset())
     return declared
+
+
+# One named accessor per private Lightning member lightning_accel reads or writes (checked, see above).
+
+
+def get_accelerator_connector(target: Any) -> Any:
+    """Its accelerator connector: ``_accelerator_connector`` of a Trainer."""
+    return lightning_private(target, "_accelerator_connector")
+
+
+def get_backward_sync_control(target: Any) -> Any:
+    """Its backward-sync control (``None`` where it has none): ``_backward_sync_control`` of a Fabric strategy."""
+    return lightning_private(target, "_backward_sync_control")
+
+
+def get_checkpoint_connector(target: Any) -> Any:
+    """Its checkpoint connector: ``_checkpoint_connector`` of a Trainer."""
+    return lightning_private(target, "_checkpoint_connector")
+
+
+def get_config_initialized(target: Any) -> Any:
+    """Whether its DeepSpeed config is filled: ``_config_initialized`` of a DeepSpeed strategy."""
+    return lightning_private(target, "_config_initialized")
+
+
+def get_data_source(target: Any) -> Any:
+    """Its data source: ``_data_source`` of a fit loop."""
+    return lightning_private(target, "_data_source")
+
+
+def get_deepspeed_engine(target: Any) -> Any:
+    """Its DeepSpeed engine: ``_deepspeed_engine`` of a Fabric DeepSpeed strategy."""
+    return lightning_private(target, "_deepspeed_engine")
+
+
+def get_device_mesh(target: Any) -> Any:
+    """Its device mesh: ``_device_mesh`` of a ModelParallel strategy or LightningModule."""
+    return lightning_private(target, "_device_mesh")
+
+
+def get_every_n_epochs(target: Any) -> Any:
+    """Its epoch interval: ``_every_n_epochs`` of a ModelCheckpoint."""
+    return lightning_private(target, "_every_n_epochs")
+
+
+def get_every_n_train_steps(target: Any) -> Any:
+    """Its step interval: ``_every_n_train_steps`` of a ModelCheckpoint."""
+    return lightning_private(target, "_every_n_train_steps")
+
+
+def get_forward_redirection(target: Any) -> Any:
+    """Its forward redirection: ``_forward_redirection`` of a Trainer strategy."""
+    return lightning_private(target, "_forward_redirection")
+
+
+def get_in_fabric_backward(target: Any) -> Any:
+    """Whether Fabric's backward is running: ``_in_fabric_backward`` of ``lightning.fabric.wrappers``."""
+    return lightning_private(target, "_in_fabric_backward")
+
+
+def get_last_global_step_saved(target: Any) -> Any:
+    """The global step it last saved at: ``_last_global_step_saved`` of a ModelCheckpoint."""
+    return lightning_private(target, "_last_global_step_saved")
+
+
+def get_layer_sync(target: Any) -> Any:
+    """Its layer sync (sync batch-norm) plugin: ``_layer_sync`` of a Trainer strategy."""
+    return lightning_private(target, "_layer_sync")
+
+
+def get_make_zero_grad_fn(target: Any) -> Any:
+    """Its zero-grad function factory: ``_make_zero_grad_fn`` of an optimization loop."""
+    return lightning_private(target, "_make_zero_grad_fn")
+
+
+def get_original_module(target: Any) -> Any:
+    """The module the user passed to Fabric: ``_original_module`` of a ``_FabricModule``."""
+    return lightning_private(target, "_original_module")
+
+
+def get_parallel_devices(target: Any) -> Any:
+    """Its parallel devices: ``_parallel_devices`` of an accelerator connector."""
+    return lightning_private(target, "_parallel_devices")
+
+
+def get_parallelize_fn(target: Any) -> Any:
+    """Its parallelize function: ``_parallelize_fn`` of a Fabric ModelParallel strategy."""
+    return lightning_private(target, "_parallelize_fn")
+
+
+def get_register_backward_hook(target: Any) -> Any:
+    """Its backward-hook registration function: ``_register_backward_hook`` of a ``_FabricModule``."""
+    return lightning_private(target, "_register_backward_hook")
+
+
+def get_root_device(target: Any) -> Any:
+    """Its root device: ``_root_device`` of a single-device strategy."""
+    return lightning_private(target, "_root_device")
+
+
+def get_should_accumulate(target: Any) -> Any:
+    """Its should-accumulate predicate: ``_should_accumulate`` of a training epoch loop."""
+    return lightning_private(target, "_should_accumulate")
+
+
+def get_strategy(target: Any) -> Any:
+    """Its strategy: ``_strategy`` of a ``_FabricModule``."""
+    return lightning_private(target, "_strategy")
+
+
+def get_trainer(target: Any) -> Any:
+    """Its trainer (``None`` outside a Trainer): ``_trainer`` of a LightningModule."""
+    return lightning_private(target, "_trainer")
+
+
+def set_backward_sync_control(target: Any, value: Any) -> None:
+    """Replace its backward-sync control (``_backward_sync_control``, which ``target`` must already have)."""
+    set_lightning_private(target, "_backward_sync_control", value)
+
+
+def set_config_initialized(target: Any, value: Any) -> None:
+    """Replace whether its DeepSpeed config is filled (``_config_initialized``, which ``target`` must already have)."""
+    set_lightning_private(target, "_config_initialized", value)
+
+
+def set_device_mesh(target: Any, value: Any) -> None:
+    """Replace its device mesh (``_device_mesh``, which ``target`` must already have)."""
+    set_lightning_private(target, "_device_mesh", value)
+
+
+def set_fs(target: Any, value: Any) -> None:
+    """Replace its filesystem (``_fs``, which ``target`` must already have)."""
+    set_lightning_private(target, "_fs", value)
+
+
+def set_last_checkpoint_saved(target: Any, value: Any) -> None:
+    """Replace the path it last saved (``_last_checkpoint_saved``, which ``target`` must already have)."""
+    set_lightning_private(target, "_last_checkpoint_saved", value)
+
+
+def set_last_global_step_saved(target: Any, value: Any) -> None:
+    """Replace the global step it last saved at (``_last_global_step_saved``, which ``target`` must already have)."""
+    set_lightning_private(target, "_last_global_step_saved", value)
+
+
+def set_process_group_backend(target: Any, value: Any) -> None:
+    """Replace its process-group backend (``_process_group_backend``, which ``target`` must already have)."""
+    set_lightning_private(target, "_process_group_backend", value)
+
+
+def set_root_device(target: Any, value: Any) -> None:
+    """Replace its root device (``_root_device``, which ``target`` must already have)."""
+    set_lightning_private(target, "_root_device", value)
