@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.fabric.strategies import DDPStrategy
-from lightning_accel.utils.lightning_internals import lightning_private
+from lightning_accel.lightning_compat import lightning_private
 from torch import nn
 
 import lightning_accel
