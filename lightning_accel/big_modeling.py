@@ -344,6 +344,36 @@ def _guard_moves(model: nn.Module) -> None:
         setattr(model, kind, guarded(getattr(model, kind)))
 
 
+def _check_devices_exist(devices: list[DeviceLike | None]) -> None:
+    """Resolve every device a map names (``"disk"`` aside), so a missing one fails before anything moves."""
+    for device in dict.fromkeys(devices):
+        if device not in ("disk", None):
+            resolve_device(device)
+
+
+def _offload_disk_blocks(
+    model: nn.Module,
+    device_map: Mapping[str, DeviceLike],
+    offload_dir: str | os.PathLike[str] | None,
+    offload_index: Mapping[str, Any] | None,
+) -> list[str]:
+    """The map's ``"disk"`` blocks, their weights written to ``offload_dir`` unless an index already holds them.
+
+    Raises:
+        ValueError: For ``"disk"`` blocks with neither ``offload_dir`` nor ``offload_index``.
+
+    """
+    disk_blocks = [name for name, device in device_map.items() if device == "disk"]
+    if disk_blocks and offload_dir is None and offload_index is None:
+        raise ValueError(
+            "We need an `offload_dir` to dispatch this model according to this `device_map`, the following submodules "
+            f"need to be offloaded: {', '.join(disk_blocks)}."
+        )
+    if disk_blocks and offload_index is None and not _has_offload_index(offload_dir):  # type: ignore[arg-type]
+        offload_state_dict(offload_dir, extract_submodules_state_dict(model.state_dict(), disk_blocks))  # type: ignore[arg-type]
+    return disk_blocks
+
+
 def dispatch_model(
     model: nn.Module,
     device_map: Mapping[str, DeviceLike],
@@ -381,9 +411,7 @@ def dispatch_model(
 
     """
     check_device_map(model, device_map)
-    for device in dict.fromkeys([*device_map.values(), main_device]):  # every device exists, before anything moves
-        if device not in ("disk", None):
-            resolve_device(device)
+    _check_devices_exist([*device_map.values(), main_device])
     force_hooks = force_hooks or _needs_hooks_for_bitsandbytes(model)
     devices = list(dict.fromkeys(device_map.values()))
     if len(devices) == 1 and "disk" not in devices and not force_hooks:
@@ -396,14 +424,7 @@ def dispatch_model(
         cpu_blocks = [name for name, device in device_map.items() if device == "cpu"]
         if cpu_blocks:
             state_dict = extract_submodules_state_dict(model.state_dict(), cpu_blocks)
-    disk_blocks = [name for name, device in device_map.items() if device == "disk"]
-    if disk_blocks and offload_dir is None and offload_index is None:
-        raise ValueError(
-            "We need an `offload_dir` to dispatch this model according to this `device_map`, the following submodules "
-            f"need to be offloaded: {', '.join(disk_blocks)}."
-        )
-    if disk_blocks and offload_index is None and not _has_offload_index(offload_dir):  # type: ignore[arg-type]
-        offload_state_dict(offload_dir, extract_submodules_state_dict(model.state_dict(), disk_blocks))  # type: ignore[arg-type]
+    disk_blocks = _offload_disk_blocks(model, device_map, offload_dir, offload_index)
 
     # With the main device the CPU (or MPS, which shares its memory), CPU blocks need no offloading.
     offloaded = ("disk",) if main in ("cpu", "mps") else ("cpu", "disk")

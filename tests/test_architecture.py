@@ -79,6 +79,17 @@ ACCELERATE_UTILS_MODULES = frozenset(
 )
 
 
+# Imports that break the rule because Accelerate's public API puts a function below what it needs, with why. Each is
+# left out of the graph; test_accelerate_path_exceptions_are_still_needed fails once one is gone, so the list only
+# shrinks.
+ACCELERATE_PATH_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("lightning_accel.utils.bnb", "lightning_accel.big_modeling"): (
+        "accelerate.utils.load_and_quantize_model loads an empty model through a device map and dispatches it: it"
+        " needs big_modeling's init_empty_weights and dispatch_model (hooks), two layers up; imported inside it"
+    ),
+}
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -127,7 +138,8 @@ def _graph() -> dict[str, frozenset[str]]:
     graph: dict[str, frozenset[str]] = {}
     for module, path in _modules().items():
         targets = {resolved for name in _named(path, module) if (resolved := _resolve(name))}
-        graph[module] = frozenset(edge for target in targets for edge in _with_packages(module, target))
+        edges = {edge for target in targets for edge in _with_packages(module, target)}
+        graph[module] = frozenset(edge for edge in edges if (module, edge) not in ACCELERATE_PATH_EXCEPTIONS)
     return graph
 
 
@@ -180,6 +192,12 @@ def test_no_upward_import() -> None:
         if _rank(target) > _rank(module)
     )
     assert upward == [], "imports that point up a layer:\n" + "\n".join(upward)
+
+
+def test_accelerate_path_exceptions_are_still_needed() -> None:
+    for module, target in ACCELERATE_PATH_EXCEPTIONS:
+        named = {_resolve(name) for name in _named(_modules()[module], module)}
+        assert target in named, f"{module} no longer imports {target}: drop it from ACCELERATE_PATH_EXCEPTIONS"
 
 
 def test_no_import_circle() -> None:

@@ -17,9 +17,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_accel import Accelerator
 from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs
 from lightning_accel.precision import BF16Precision, FP16Precision, from_lightning
-from lightning_accel.precision.plugins import cuda_bf16_problem
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy
 from lightning_accel.strategies.deepspeed import AcceleratedDeepSpeedStrategy, FabricAcceleratedDeepSpeedStrategy
+from lightning_accel.utils.modeling import cuda_bf16_problem
 from tests.helpers import reset_accelerator_states
 
 

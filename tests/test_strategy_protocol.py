@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.fabric.strategies import DDPStrategy
-from lightning_accel.lightning_compat import lightning_private
 from torch import nn
 
 import lightning_accel
 import lightning_accel._shim.fabric as shim_fabric
+from lightning_accel.lightning_compat import lightning_private
 from lightning_accel.strategies.ddp import FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.deepspeed import AcceleratedDeepSpeedStrategy, FabricAcceleratedDeepSpeedStrategy
 from lightning_accel.strategies.protocol import ShimStrategy, ShimStrategyDefaults, as_shim_strategy

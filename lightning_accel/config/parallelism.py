@@ -122,6 +122,17 @@ class ParallelismConfig:
     sp_handler: DeepSpeedSequenceParallelConfig | None = None
 
     def __post_init__(self) -> None:
+        self._check_sizes_and_backends()
+        self._check_composition()
+        if self.tp_size > 1 and self.tp_handler is None:
+            self.tp_handler = TorchTensorParallelConfig()
+        if self.cp_size > 1 and self.cp_handler is None:
+            self.cp_handler = TorchContextParallelConfig()
+        if self.sp_size > 1 and self.sp_handler is None:
+            self.sp_handler = DeepSpeedSequenceParallelConfig()
+        self._device_mesh: Any = None
+
+    def _check_sizes_and_backends(self) -> None:
         for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -130,6 +141,12 @@ class ParallelismConfig:
             raise ValueError(f"cp_backend must be one of ['torch'], but got {self.cp_backend!r}")
         if self.sp_backend != "deepspeed":
             raise ValueError(f"sp_backend must be one of ['deepspeed'], but got {self.sp_backend!r}")
+        if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
+            raise ValueError(
+                f"cp_backend='torch' needs a TorchContextParallelConfig, got {type(self.cp_handler).__name__}."
+            )
+
+    def _check_composition(self) -> None:
         if self.cp_size > 1 and self.sp_size > 1:
             raise ValueError(
                 f"Context and sequence parallelism are exclusive; got cp_size={self.cp_size} and"
@@ -140,17 +157,6 @@ class ParallelismConfig:
                 "Tensor/context parallelism does not compose with pure replication (dp_replicate_size > 1 and"
                 " dp_shard_size == 1): shard instead (dp_shard_size > 1, optionally with dp_replicate_size > 1)."
             )
-        if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
-            raise ValueError(
-                f"cp_backend='torch' needs a TorchContextParallelConfig, got {type(self.cp_handler).__name__}."
-            )
-        if self.tp_size > 1 and self.tp_handler is None:
-            self.tp_handler = TorchTensorParallelConfig()
-        if self.cp_size > 1 and self.cp_handler is None:
-            self.cp_handler = TorchContextParallelConfig()
-        if self.sp_size > 1 and self.sp_handler is None:
-            self.sp_handler = DeepSpeedSequenceParallelConfig()
-        self._device_mesh: Any = None
 
     @property
     def device_mesh(self) -> Any:

@@ -22,18 +22,13 @@ from typing_extensions import override
 
 from lightning_accel.config import AutocastKwargs, GradScalerKwargs
 from lightning_accel.lightning_compat import get_trainer, lightning_private_members
+from lightning_accel.utils.modeling import default_device_type
 
 Mode = Literal["mixed", "true"]
 
 
 def _in_trainer(module: Module | None) -> bool:
     return isinstance(module, LightningModule) and get_trainer(module) is not None
-
-
-def default_device_type() -> str:
-    """The device type autocast targets when no strategy told the plugin: the current accelerator, else CPU."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return accelerator.type if accelerator is not None else "cpu"
 
 
 @lightning_private_members("_after_closure")

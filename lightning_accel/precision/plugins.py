@@ -6,6 +6,7 @@ import torch
 
 from lightning_accel.config import AutocastKwargs, GradScalerKwargs
 from lightning_accel.precision.base import AcceleratePrecision, Mode
+from lightning_accel.utils.modeling import FP16_NEEDS_A_GPU, autocast_problem
 
 
 class FP32Precision(AcceleratePrecision):
@@ -49,28 +50,9 @@ class BF16Precision(AcceleratePrecision):
             ValueError: On a GPU without native bf16 (one that would only emulate it, much slower).
 
         """
-        if device_type == "cuda" and torch.cuda.is_available():
-            problem = cuda_bf16_problem(
-                torch.cuda.get_device_name(), native=torch.cuda.is_bf16_supported(including_emulation=False)
-            )
-            if problem is not None:
-                raise ValueError(problem)
-
-
-def cuda_bf16_problem(device_name: str, *, native: bool) -> str | None:
-    """Why bf16 should not run on this GPU (``None`` when it may): torch emulates bf16 where it is not native.
-
-    Args:
-        device_name: The GPU's name, for the message.
-        native: ``torch.cuda.is_bf16_supported(including_emulation=False)``.
-
-    """
-    if native:
-        return None
-    return (
-        f"bf16 needs a GPU with native bfloat16 support (Ampere or newer), but {device_name} would only emulate it,"
-        " which is slower than fp32. Use fp16 (mixed_precision='fp16' / precision='16-mixed') on this GPU."
-    )
+        problem = autocast_problem(device_type, torch.bfloat16)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 class FP16Precision(AcceleratePrecision):
@@ -113,8 +95,5 @@ class FP16Precision(AcceleratePrecision):
             ValueError: On CPU, where torch's fp16 autocast gives no speed-up and Accelerate silently trains in fp32.
 
         """
-        if device_type == "cpu" and self.mode == "mixed":
-            raise ValueError(
-                "fp16 mixed precision needs a GPU, but this run trains on CPU. Use bf16 on CPU"
-                " (mixed_precision='bf16', or Trainer(precision='bf16-mixed'))."
-            )
+        if self.mode == "mixed" and device_type == "cpu":
+            raise ValueError(FP16_NEEDS_A_GPU)

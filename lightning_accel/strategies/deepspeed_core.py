@@ -254,17 +254,7 @@ def fill_engine_autos(
     hparams = dict(optimizer_hparams or {})
     optimizer_params = (filled.get("optimizer") or {}).get("params")
     if isinstance(optimizer_params, dict):
-        for name in _OPTIMIZER_HPARAMS:
-            if name not in hparams or name not in optimizer_params:
-                continue
-            configured, coded = optimizer_params[name], hparams[name]
-            if configured == "auto":
-                optimizer_params[name] = list(coded) if isinstance(coded, tuple) else coded
-            elif _as_number_list(configured) != _as_number_list(coded):
-                raise ValueError(
-                    f"DeepSpeed config has optimizer.params.{name}={configured!r}, but the optimizer returned by"
-                    f" configure_optimizers has {name}={coded!r}. Set it to 'auto' in hf_ds_config, or make them equal."
-                )
+        _fill_optimizer_params(optimizer_params, hparams)
     scheduler_params = (filled.get("scheduler") or {}).get("params")
     if isinstance(scheduler_params, dict):
         sources = {"warmup_min_lr": 0, "warmup_max_lr": hparams.get("lr"), "total_num_steps": total_steps}
@@ -283,6 +273,21 @@ def fill_engine_autos(
             " Replace 'auto' with a concrete value in hf_ds_config."
         )
     return filled
+
+
+def _fill_optimizer_params(optimizer_params: dict[str, Any], hparams: Mapping[str, Any]) -> None:
+    """Fill the config optimizer's "auto" hyperparameters from the code's optimizer; refuse ones that differ."""
+    for name in _OPTIMIZER_HPARAMS:
+        if name not in hparams or name not in optimizer_params:
+            continue
+        configured, coded = optimizer_params[name], hparams[name]
+        if configured == "auto":
+            optimizer_params[name] = list(coded) if isinstance(coded, tuple) else coded
+        elif _as_number_list(configured) != _as_number_list(coded):
+            raise ValueError(
+                f"DeepSpeed config has optimizer.params.{name}={configured!r}, but the optimizer returned by"
+                f" configure_optimizers has {name}={coded!r}. Set it to 'auto' in hf_ds_config, or make them equal."
+            )
 
 
 def _as_number_list(value: Any) -> Any:

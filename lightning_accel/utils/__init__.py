@@ -40,7 +40,6 @@ from lightning_accel.enums import (
     RNGType,
     SageMakerDistributedType,
 )
-from lightning_accel.utils.amp import get_grad_scaler, get_mixed_precision_context_manager
 from lightning_accel.utils.ao import convert_model_to_fp8_ao, filter_first_and_last_linear_layers, has_ao_layers
 from lightning_accel.utils.bnb import has_4bit_bnb_layers, load_and_quantize_model
 from lightning_accel.utils.checkpoint import load_full_state_dict
@@ -220,8 +219,10 @@ from lightning_accel.utils.modeling import (
     dtype_byte_size,
     find_tied_parameters,
     get_balanced_memory,
+    get_grad_scaler,
     get_max_layer_size,
     get_max_memory,
+    get_mixed_precision_context_manager,
     has_offloaded_params,
     id_tensor_storage,
     infer_auto_device_map,
@@ -293,8 +294,8 @@ from lightning_accel.utils.other import (
     save,
     wait_for_everyone,
 )
-from lightning_accel.utils.progress import tqdm
 from lightning_accel.utils.random import set_seed, synchronize_rng_state, synchronize_rng_states
+from lightning_accel.utils.tqdm import tqdm
 from lightning_accel.utils.transformer_engine import (
     apply_fp8_autowrap,
     contextual_fp8_autocast,
