@@ -357,6 +357,11 @@ class FSDPFamilyAdapter:
     """What the Trainer and Fabric ``acc_fsdp`` strategies share, read from their ``_fsdp`` (listed first in bases)."""
 
     _fsdp: FSDPFamily
+    _checkpoint_label = "acc_fsdp"
+
+    @property
+    def _sharding(self) -> FSDPFamily:
+        return self._fsdp
 
     @property
     def distributed_type(self) -> DistributedType:

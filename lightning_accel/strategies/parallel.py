@@ -12,19 +12,14 @@ mesh)`` plays the part of ``configure_model``. Both also take a ``tp_plan`` they
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallelStrategy
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
@@ -33,10 +28,10 @@ from typing_extensions import override
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
 from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.fsdp_core import checkpoint_value, load_target_error
 from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
 from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.strategies.sharded_adapter import ShardedFabricAdapter, ShardedTrainerAdapter, reshard
 from lightning_accel.utils.lightning_internals import (
     lightning_private,
     lightning_private_members,
@@ -50,7 +45,7 @@ ParallelizeFn = Callable[[Module, "DeviceMesh"], Module]
 
 
 @lightning_private_members("_configure_launcher", "_setup_distributed")
-class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelStrategy):
+class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, _TrainerModelParallelStrategy):
     """Trainer strategy for N-D parallelism from a :class:`~lightning_accel.config.ParallelismConfig`.
 
     Args:
@@ -128,7 +123,7 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
             self.model = self._parallel.parallelize(self.model, self.root_device, self.precision_plugin)
             self.model_to_device()
             self._parallelized = self.model
-        _reshard(self.model)
+        reshard(self.model)
         self.barrier()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -137,85 +132,9 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    @override
-    def on_validation_end(self) -> None:
-        _reshard(self.model)
-
-    @override
-    def on_test_end(self) -> None:
-        _reshard(self.model)
-
-    @override
-    def on_predict_end(self) -> None:
-        _reshard(self.model)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
-
-    def _step(self, method: str, context: Callable[[], AbstractContextManager], *args: Any, **kwargs: Any) -> Any:
-        """Run a step through the model's ``forward`` so an FSDP2 root on the LightningModule gathers first."""
-        assert self.model is not None and self.lightning_module is not None
-        with context():
-            redirect = lightning_private(self, "_forward_redirection")
-            return redirect(self.model, self.lightning_module, method, *args, **kwargs)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        assert self.model is not None
-        with self._parallel.checkpoints.no_sync(self.model):
-            yield
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return self._parallel.checkpoints.model_state_dict(self.model)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.model is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        return self._parallel.checkpoints.optimizer_state_dict(self.model, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write ``acc_fsdp``'s formats: a sharded ``torch.distributed.checkpoint`` directory, or one full file."""
-        if storage_options is not None:
-            raise TypeError("acc_parallel checkpoints take no `storage_options`; drop them.")
-        path = Path(self.broadcast(filepath))
-        if self._parallel.checkpoints.full_state_dict:
-            if self.is_global_zero:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(checkpoint, path)
-        else:
-            self._parallel.checkpoints.save_trainer_checkpoint(checkpoint, path, self.is_global_zero)
-        self.barrier("acc_parallel.save_checkpoint")
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.model is not None and self.lightning_module is not None
-        path = Path(self.broadcast(checkpoint_path))
-        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        strict = self.lightning_module.strict_loading
-        return self._parallel.checkpoints.load_trainer_checkpoint(path, self.model, optimizers, strict)
-
 
 @lightning_private_members("_configure_launcher", "_setup_distributed")
-class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParallelStrategy):
+class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedFabricAdapter, _FabricModelParallelStrategy):
     """Fabric twin of :class:`AcceleratedParallelStrategy`.
 
     Args:
@@ -316,81 +235,9 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, _FabricModelParal
         mesh: DeviceMesh = lightning_private(self, "_device_mesh")
         return mesh
 
-    @override
-    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        return self._parallel.checkpoints.model_state_dict(module)
-
-    @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Write ``acc_fsdp``'s formats: a sharded directory with ``meta.pt``, or one full file from rank 0."""
-        if storage_options is not None or filter is not None:
-            raise ValueError("acc_parallel checkpoints take neither `storage_options` nor `filter`; drop them.")
-        path = Path(self.broadcast(path))
-        io = self._parallel.checkpoints
-        module = _single_module(state)
-        converted = {
-            key: io.model_state_dict(value)
-            if isinstance(value, Module)
-            else io.optimizer_state_dict(module, value)
-            if isinstance(value, Optimizer)
-            else checkpoint_value(value)
-            for key, value in state.items()
-        }
-        if io.full_state_dict:
-            if self.is_global_zero:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(converted, path)
-        else:
-            shards = [k for k, v in state.items() if isinstance(v, (Module, Optimizer))]
-            io.save_sharded(converted, shards, path, self.is_global_zero)
-        self.barrier("acc_parallel.save_checkpoint")
-
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
-            self._parallel.checkpoints.load_raw_module(Path(self.broadcast(path)), state, strict=strict)
-            return {}
-        if not isinstance(state, dict):
-            raise ValueError(load_target_error("acc_parallel", state))
-        path = Path(self.broadcast(path))
-        return self._parallel.checkpoints.load_into(path, state, _single_module(state), strict=strict)
-
 
 def _unchanged(module: Module, mesh: Any) -> Module:
     return module
-
-
-def _reshard(module: Module | None) -> None:
-    """Free the parameters FSDP2 units gathered for gradient-free forwards (no backward reshards them)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if module is None:
-        return
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
-
-
-def _single_module(state: dict[str, Any]) -> Module:
-    modules = [v for v in state.values() if isinstance(v, Module)]
-    if len(modules) != 1:
-        raise ValueError(
-            f"acc_parallel checkpoints hold exactly one parallelized model, got {len(modules)} modules in the state;"
-            " save each model to its own path."
-        )
-    return modules[0]
 
 
 ENTRIES = (

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from torch.nn import Module
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
@@ -245,6 +246,17 @@ class ParallelFamilyAdapter:
     """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``."""
 
     _parallel: ParallelFamily
+    _checkpoint_label = "acc_parallel"
+
+    @property
+    def _sharding(self) -> FSDPFamily:
+        return self._parallel.checkpoints
+
+    def _full_checkpoint_io(self) -> CheckpointIO:
+        """Lightning's model-parallel strategies take no ``CheckpointIO``: full files go through torch's own."""
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        return TorchCheckpointIO()
 
     @property
     def parallelism_config(self) -> ParallelismConfig:
