@@ -27,9 +27,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
-from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
-from lightning_accel.strategies.precision_bridge import bind_precision, translating
+from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.strategies.sharded_adapter import ShardedFabricAdapter, ShardedTrainerAdapter, reshard
 from lightning_accel.utils.lightning_internals import (
@@ -87,16 +86,10 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
 
     precision_plugin = translating(_TrainerModelParallelStrategy.precision_plugin)
 
-    @property
-    def distributed_type(self) -> DistributedType | None:
-        """``FSDP`` when anything is sharded or split, else the multi-device (DDP) type of the devices."""
-        return self._parallel.distributed_type(self.parallel_devices[0].type if self.parallel_devices else None)
-
     @override
     def _configure_launcher(self) -> None:
-        assert self.parallel_devices is not None
-        self._parallel.check_processes(self.num_nodes * self.num_processes, self.parallel_devices[0].type)
-        bind_precision(self.precision_plugin, self.parallel_devices)
+        world_size = self.num_nodes * self.num_processes
+        self._parallel.configure_launch(world_size, self.parallel_devices, self.precision_plugin)
         super()._configure_launcher()
 
     @override
@@ -176,16 +169,9 @@ class FabricAcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedFabricAdap
 
     precision = translating(_FabricModelParallelStrategy.precision)
 
-    @property
-    def distributed_type(self) -> DistributedType | None:
-        """``FSDP`` when anything is sharded or split, else the multi-device (DDP) type of the devices."""
-        return self._parallel.distributed_type(self.parallel_devices[0].type if self.parallel_devices else None)
-
     @override
     def _configure_launcher(self) -> None:
-        assert self.parallel_devices is not None
-        self._parallel.check_processes(self.num_nodes * self.num_processes, self.parallel_devices[0].type)
-        bind_precision(self.precision, self.parallel_devices)
+        self._parallel.configure_launch(self.num_nodes * self.num_processes, self.parallel_devices, self.precision)
         super()._configure_launcher()
 
     @override

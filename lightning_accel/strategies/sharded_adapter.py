@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -31,8 +31,13 @@ else:
     _FabricBase = _TrainerBase = object
 
 
-class ShardedTrainerAdapter(_TrainerBase):
-    """Steps, resharding, state dicts and checkpoints of a sharding Trainer strategy (listed before its base)."""
+class _HasCheckpointIO(Protocol):
+    @property
+    def checkpoint_io(self) -> CheckpointIO: ...
+
+
+class _Sharded:
+    """What each strategy names: its :class:`FSDPFamily` and its name in messages."""
 
     _checkpoint_label: str
 
@@ -40,9 +45,13 @@ class ShardedTrainerAdapter(_TrainerBase):
     def _sharding(self) -> FSDPFamily:
         raise NotImplementedError
 
-    def _full_checkpoint_io(self) -> CheckpointIO:
+    def _full_checkpoint_io(self: _HasCheckpointIO) -> CheckpointIO:
         """The writer of full checkpoint files: the strategy's ``CheckpointIO``."""
         return self.checkpoint_io
+
+
+class ShardedTrainerAdapter(_Sharded, _TrainerBase):
+    """Steps, resharding, state dicts and checkpoints of a sharding Trainer strategy (listed before its base)."""
 
     @override
     def on_validation_end(self) -> None:
@@ -137,18 +146,8 @@ class ShardedTrainerAdapter(_TrainerBase):
         return self._sharding.load_trainer_checkpoint(path, self.model, optimizers, strict)
 
 
-class ShardedFabricAdapter(_FabricBase):
+class ShardedFabricAdapter(_Sharded, _FabricBase):
     """State dicts and checkpoints of a sharding Fabric strategy (listed before its base)."""
-
-    _checkpoint_label: str
-
-    @property
-    def _sharding(self) -> FSDPFamily:
-        raise NotImplementedError
-
-    def _full_checkpoint_io(self) -> CheckpointIO:
-        """The writer of full checkpoint files: the strategy's ``CheckpointIO``."""
-        return self.checkpoint_io
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
