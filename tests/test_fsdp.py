@@ -19,9 +19,13 @@ TRAINER_VARIANTS = ["fsdp2", "fsdp2_units", "fsdp1"]
 # FSDP units (the root included) and activation-checkpointed blocks each configuration must produce.
 STRUCTURE = {
     "fsdp2": (1, 0),
-    "fsdp2_units": (2, 0),  # size_based_wrap(min_num_params=100): Linear(16, 64) has 1088, Linear(64, 1) only 65
+    # size_based_wrap(min_num_params=100), counting all of a module's parameters as Accelerate 1.15's FSDP2 policy
+    # does: Linear(16, 64) (1088) and the Sequential holding it (1153) are units, Linear(64, 1) (65) is not.
+    "fsdp2_units": (3, 0),
     "fsdp1": (1, 0),
-    "fsdp2_options": (3, 2),  # transformer_based_wrap on "Linear" + activation checkpointing of both Linears
+    # transformer_based_wrap on "Linear" + activation checkpointing of both Linears: as in Accelerate 1.15, each Linear
+    # and the checkpoint wrapper around it are units (the policy looks through the wrapper).
+    "fsdp2_options": (5, 2),
     "fsdp1_options": (2, 0),
 }
 Results = dict[str, list[dict[str, Any]]]

@@ -230,6 +230,14 @@ class FullyShardedDataParallelPlugin:
             if getattr(self, name) is not None:
                 _warn_ignored(name, getattr(self, name))
                 setattr(self, name, None)
+        if self.param_init_fn is not None:  # fully_shard takes none; FSDP2 materializes meta modules with to_empty
+            check_callable("param_init_fn", self.param_init_fn)
+            _warn_ignored("param_init_fn", self.param_init_fn)
+            self.param_init_fn = None
+        if self.limit_all_gathers is False:  # FSDP2 always limits in-flight all-gathers
+            warnings.warn(
+                "limit_all_gathers=False is an FSDP1 setting; it has no effect with fsdp_version=2", UserWarning, 4
+            )
 
     def _validate_mixed_precision(self) -> None:
         policy = self.mixed_precision_policy

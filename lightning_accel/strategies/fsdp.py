@@ -7,9 +7,7 @@ launching come from the DDP family these classes extend (which runs on CPU, unli
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
-from pathlib import Path
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Literal
 
 import torch
@@ -20,10 +18,8 @@ from lightning.fabric.strategies import FSDPStrategy as LightningFabricFSDPStrat
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_meta_tensors
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
@@ -33,21 +29,21 @@ from typing_extensions import override
 from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import (
-    get_forward_redirection,
     get_layer_sync,
     lightning_private_members,
     set_backward_sync_control,
 )
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter, checkpoint_value, load_target_error
+from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.strategies.sharded_adapter import ShardedFabricAdapter, ShardedTrainerAdapter, reshard
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 @lightning_private_members("_configure_launcher", "_setup_model")
-class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
+class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, AcceleratedDDPStrategy):
     """Trainer strategy that shards parameters, gradients and optimizer state across processes.
 
     Args:
@@ -122,7 +118,7 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
             self.model_to_device()
             sharded = self._sharded_model = self._setup_model(self.model)
         # An earlier evaluation may have left FSDP2 units gathered; the optimizer must get the sharded parameters.
-        _reshard(sharded)
+        reshard(sharded)
         self.model = sharded
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -141,23 +137,6 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
         if isinstance(previous, FullyShardedDataParallel) and previous.module is module:
             return previous
         return None
-
-    @override
-    def on_validation_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    @override
-    def on_test_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    def _reshard_after_evaluation(self) -> None:
-        """Free the parameters FSDP2 gathered for gradient-free forwards (no backward pass reshards them)."""
-        assert self.model is not None
-        _reshard(self.model)
 
     @override
     def teardown(self) -> None:
@@ -193,52 +172,6 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
         for optimizer in self.optimizers:
             self._fsdp.refresh_float8_scales_after_steps(optimizer, [self.model])
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        assert self.model is not None
-        with self._fsdp.no_sync(self.model):
-            yield
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
-
-    def _step(self, method: str, context: Callable[[], AbstractContextManager], *args: Any, **kwargs: Any) -> Any:
-        """Run a step through the sharded model's ``forward`` so FSDP gathers parameters first.
-
-        FSDP2 shards the LightningModule in place, so Lightning's own check (``model != lightning_module``) would
-        skip the redirection and run the step on sharded parameters.
-        """
-        assert self.model is not None and self.lightning_module is not None
-        with context():
-            redirect = get_forward_redirection(self)
-            return redirect(self.model, self.lightning_module, method, *args, **kwargs)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return self._fsdp.model_state_dict(self.model)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.model is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        return self._fsdp.optimizer_state_dict(self.model, optimizer)
-
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` already loaded the weights into the sharded model."""
@@ -246,22 +179,6 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, AcceleratedDDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Nothing to do: :meth:`load_checkpoint` already loaded the optimizer states."""
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        path = Path(self.broadcast(filepath))
-        if self._fsdp.full_state_dict:
-            super().save_checkpoint(checkpoint, path, storage_options)
-        else:
-            self._fsdp.save_trainer_checkpoint(checkpoint, path, self.is_global_zero)
-        self.barrier("acc_fsdp.save_checkpoint")
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.model is not None and self.lightning_module is not None
-        path = Path(self.broadcast(checkpoint_path))
-        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        return self._fsdp.load_trainer_checkpoint(path, self.model, optimizers, self.lightning_module.strict_loading)
 
 
 class _FSDPBackwardSyncControl(_BackwardSyncControl):
@@ -274,7 +191,7 @@ class _FSDPBackwardSyncControl(_BackwardSyncControl):
 
 
 @lightning_private_members("_configure_launcher")
-class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrategy):
+class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, FabricAcceleratedDDPStrategy):
     """Fabric twin of :class:`AcceleratedFSDPStrategy` (``precision`` instead of ``precision_plugin``).
 
     Sharding replaces the model's parameters. ``fabric.setup(model, optimizer)`` (Accelerate's one-call
@@ -392,54 +309,6 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
         self._fsdp.refresh_float8_scales_after_steps(optimizer, self._sharded_modules)
         return super().setup_optimizer(optimizer)
 
-    @override
-    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        return self._fsdp.model_state_dict(module)
-
-    @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        if storage_options is not None or filter is not None:
-            raise ValueError("acc_fsdp checkpoints take neither `storage_options` nor `filter`; drop them.")
-        path = Path(self.broadcast(path))
-        module = _single_module(state)
-        converted = {
-            key: self._fsdp.model_state_dict(value)
-            if isinstance(value, Module)
-            else self._fsdp.optimizer_state_dict(module, value)
-            if isinstance(value, Optimizer)
-            else checkpoint_value(value)
-            for key, value in state.items()
-        }
-        if self._fsdp.full_state_dict:
-            if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint(converted, path)
-        else:
-            shards = [k for k, v in state.items() if isinstance(v, (Module, Optimizer))]
-            self._fsdp.save_sharded(converted, shards, path, self.is_global_zero)
-        self.barrier("acc_fsdp.save_checkpoint")
-
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
-            self._fsdp.load_raw_module(Path(self.broadcast(path)), state, strict=strict)
-            return {}
-        if not isinstance(state, dict):
-            raise ValueError(load_target_error("acc_fsdp", state))
-        path = Path(self.broadcast(path))
-        return self._fsdp.load_into(path, state, _single_module(state), strict=strict)
-
 
 # Code that checks for Lightning's Fabric FSDP (litgpt's checkpoint loading and weight initialization) takes its
 # FSDP path under acc_fsdp. Only isinstance changes: no behaviour is inherited from Lightning's class.
@@ -470,25 +339,6 @@ def _fp16_on_cpu_as_bf16(precision: Any, accelerator: Any) -> Any:
         )
         return FSDPPrecision("bf16-mixed")
     return precision
-
-
-def _reshard(module: Module) -> None:
-    """Register the sharded parameters again on every FSDP2 unit of ``module`` that holds gathered ones."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
-
-
-def _single_module(state: dict[str, Any]) -> Module:
-    modules = [v for v in state.values() if isinstance(v, Module)]
-    if len(modules) != 1:
-        raise ValueError(
-            f"acc_fsdp checkpoints hold exactly one sharded model, got {len(modules)} modules in the state;"
-            " save each model to its own path."
-        )
-    return modules[0]
 
 
 ENTRIES = (

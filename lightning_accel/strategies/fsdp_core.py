@@ -26,6 +26,7 @@ from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
 from lightning_accel.utils.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
 from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
+from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
 
 _MODEL_KEY = "state_dict"
 _OPTIMIZER_PREFIX = "optimizer_"
@@ -78,7 +79,7 @@ class FSDPFamily:
                 " but this run already trains on CPU. Drop cpu_offload, or train on a GPU."
             )
         if self.plugin.activation_checkpointing:
-            self._apply_activation_checkpointing(module)
+            apply_ac(module, self.plugin)
         mixed_precision = self._mixed_precision(precision)
         if self.version == 1:
             return self._wrap_fsdp1(module, device, mixed_precision)
@@ -334,39 +335,9 @@ class FSDPFamily:
         self, module: Module, device: torch.device, world_size: int, mixed_precision: Any, mesh: Any = None
     ) -> Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        plugin = self.plugin
-        kwargs: dict[str, Any] = {
-            "mesh": init_device_mesh(device.type, (world_size,)) if mesh is None else mesh,
-            "reshard_after_forward": plugin.reshard_after_forward,
-            "offload_policy": plugin.torch_cpu_offload(),
-        }
-        if mixed_precision is not None:
-            kwargs["mp_policy"] = mixed_precision
-        ignored = self._ignored_modules(module)
-        ignored_params = {p for m in ignored for p in m.parameters()} if ignored else None
-        for child in self._fsdp2_units(module):
-            fully_shard(child, **kwargs)
-        # torch's own default (None) keeps the root gathered between forward and backward: resharding it there only
-        # buys an extra all-gather, since backward needs its parameters right away.
-        root_reshard = None if kwargs.pop("reshard_after_forward") else False
-        fully_shard(module, ignored_params=ignored_params, reshard_after_forward=root_reshard, **kwargs)
-        return module
-
-    def _fsdp2_units(self, root: Module) -> list[Module]:
-        """The submodules to shard as their own units, children before parents (the auto-wrap policy's choice)."""
-        policy = self.plugin.build_auto_wrap_policy(root)
-        if policy is None:
-            return []
-        units: list[Module] = []
-        covered: set[int] = set()
-        for _, module in reversed(list(root.named_modules())[1:]):
-            own = [p for p in module.parameters() if id(p) not in covered]
-            if policy(module=module, recurse=False, nonwrapped_numel=sum(p.numel() for p in own)):
-                units.append(module)
-                covered.update(id(p) for p in own)
-        return units
+        mesh = init_device_mesh(device.type, (world_size,)) if mesh is None else mesh
+        return apply_fsdp2(module, self.plugin, mesh=mesh, mp_policy=mixed_precision)
 
     def _ignored_modules(self, root: Module) -> list[Module] | None:
         ignored = self.plugin.ignored_modules
@@ -377,17 +348,6 @@ class FSDPFamily:
             return [m for name, m in root.named_modules() if name and pattern.fullmatch(name)]
         return list(ignored)
 
-    def _apply_activation_checkpointing(self, module: Module) -> None:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-        names = set(self.plugin.transformer_cls_names_to_wrap or [])
-        if not names:
-            raise ValueError(
-                "activation_checkpointing=True needs the blocks to checkpoint: set"
-                " FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...]) to their class names."
-            )
-        apply_activation_checkpointing(module, check_fn=lambda m: type(m).__name__ in names)
-
 
 def _torch_load_on_cpu(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
@@ -397,6 +357,11 @@ class FSDPFamilyAdapter:
     """What the Trainer and Fabric ``acc_fsdp`` strategies share, read from their ``_fsdp`` (listed first in bases)."""
 
     _fsdp: FSDPFamily
+    _checkpoint_label = "acc_fsdp"
+
+    @property
+    def _sharding(self) -> FSDPFamily:
+        return self._fsdp
 
     @property
     def distributed_type(self) -> DistributedType:

@@ -12,19 +12,14 @@ mesh)`` plays the part of ``configure_model``. Both also take a ``tp_plan`` they
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallelStrategy
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
@@ -32,19 +27,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
-from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import (
     get_device_mesh,
-    get_forward_redirection,
     get_parallelize_fn,
     lightning_private_members,
     set_device_mesh,
 )
-from lightning_accel.strategies.fsdp_core import checkpoint_value, load_target_error
 from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
-from lightning_accel.strategies.precision_bridge import bind_precision, translating
+from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.strategies.sharded_adapter import ShardedFabricAdapter, ShardedTrainerAdapter, reshard
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -53,7 +46,7 @@ ParallelizeFn = Callable[[Module, "DeviceMesh"], Module]
 
 
 @lightning_private_members("_configure_launcher", "_setup_distributed")
-class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelStrategy):
+class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, _TrainerModelParallelStrategy):
     """Trainer strategy for N-D parallelism from a :class:`~lightning_accel.config.ParallelismConfig`.
 
     Args:
@@ -95,16 +88,10 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
 
     precision_plugin = translating(_TrainerModelParallelStrategy.precision_plugin)
 
-    @property
-    def distributed_type(self) -> DistributedType | None:
-        """``FSDP`` when anything is sharded or split, else the multi-device (DDP) type of the devices."""
-        return self._parallel.distributed_type(self.parallel_devices[0].type if self.parallel_devices else None)
-
     @override
     def _configure_launcher(self) -> None:
-        assert self.parallel_devices is not None
-        self._parallel.check_processes(self.num_nodes * self.num_processes, self.parallel_devices[0].type)
-        bind_precision(self.precision_plugin, self.parallel_devices)
+        world_size = self.num_nodes * self.num_processes
+        self._parallel.configure_launch(world_size, self.parallel_devices, self.precision_plugin)
         super()._configure_launcher()
 
     @override
@@ -131,7 +118,7 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
             self.model = self._parallel.parallelize(self.model, self.root_device, self.precision_plugin)
             self.model_to_device()
             self._parallelized = self.model
-        _reshard(self.model)
+        reshard(self.model)
         self.barrier()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -140,86 +127,10 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, _TrainerModelParallelSt
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    @override
-    def on_validation_end(self) -> None:
-        _reshard(self.model)
-
-    @override
-    def on_test_end(self) -> None:
-        _reshard(self.model)
-
-    @override
-    def on_predict_end(self) -> None:
-        _reshard(self.model)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
-
-    def _step(self, method: str, context: Callable[[], AbstractContextManager], *args: Any, **kwargs: Any) -> Any:
-        """Run a step through the model's ``forward`` so an FSDP2 root on the LightningModule gathers first."""
-        assert self.model is not None and self.lightning_module is not None
-        with context():
-            redirect = get_forward_redirection(self)
-            return redirect(self.model, self.lightning_module, method, *args, **kwargs)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        assert self.model is not None
-        with self._parallel.checkpoints.no_sync(self.model):
-            yield
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return self._parallel.checkpoints.model_state_dict(self.model)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.model is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        return self._parallel.checkpoints.optimizer_state_dict(self.model, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write ``acc_fsdp``'s formats: a sharded ``torch.distributed.checkpoint`` directory, or one full file."""
-        if storage_options is not None:
-            raise TypeError("acc_parallel checkpoints take no `storage_options`; drop them.")
-        path = Path(self.broadcast(filepath))
-        if self._parallel.checkpoints.full_state_dict:
-            if self.is_global_zero:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(checkpoint, path)
-        else:
-            self._parallel.checkpoints.save_trainer_checkpoint(checkpoint, path, self.is_global_zero)
-        self.barrier("acc_parallel.save_checkpoint")
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.model is not None and self.lightning_module is not None
-        path = Path(self.broadcast(checkpoint_path))
-        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        strict = self.lightning_module.strict_loading
-        return self._parallel.checkpoints.load_trainer_checkpoint(path, self.model, optimizers, strict)
-
 
 @lightning_private_members("_configure_launcher", "_setup_distributed")
 class FabricAcceleratedParallelStrategy(
-    ProcessGroupShards, ParallelFamilyAdapter, _FabricModelParallelStrategy, ShimStrategyDefaults
+    ProcessGroupShards, ParallelFamilyAdapter, ShardedFabricAdapter, _FabricModelParallelStrategy, ShimStrategyDefaults
 ):
     """Fabric twin of :class:`AcceleratedParallelStrategy`.
 
@@ -262,16 +173,9 @@ class FabricAcceleratedParallelStrategy(
 
     precision = translating(_FabricModelParallelStrategy.precision)
 
-    @property
-    def distributed_type(self) -> DistributedType | None:
-        """``FSDP`` when anything is sharded or split, else the multi-device (DDP) type of the devices."""
-        return self._parallel.distributed_type(self.parallel_devices[0].type if self.parallel_devices else None)
-
     @override
     def _configure_launcher(self) -> None:
-        assert self.parallel_devices is not None
-        self._parallel.check_processes(self.num_nodes * self.num_processes, self.parallel_devices[0].type)
-        bind_precision(self.precision, self.parallel_devices)
+        self._parallel.configure_launch(self.num_nodes * self.num_processes, self.parallel_devices, self.precision)
         super()._configure_launcher()
 
     @override
@@ -325,81 +229,9 @@ class FabricAcceleratedParallelStrategy(
         mesh: DeviceMesh = get_device_mesh(self)
         return mesh
 
-    @override
-    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        return self._parallel.checkpoints.model_state_dict(module)
-
-    @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Write ``acc_fsdp``'s formats: a sharded directory with ``meta.pt``, or one full file from rank 0."""
-        if storage_options is not None or filter is not None:
-            raise ValueError("acc_parallel checkpoints take neither `storage_options` nor `filter`; drop them.")
-        path = Path(self.broadcast(path))
-        io = self._parallel.checkpoints
-        module = _single_module(state)
-        converted = {
-            key: io.model_state_dict(value)
-            if isinstance(value, Module)
-            else io.optimizer_state_dict(module, value)
-            if isinstance(value, Optimizer)
-            else checkpoint_value(value)
-            for key, value in state.items()
-        }
-        if io.full_state_dict:
-            if self.is_global_zero:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(converted, path)
-        else:
-            shards = [k for k, v in state.items() if isinstance(v, (Module, Optimizer))]
-            io.save_sharded(converted, shards, path, self.is_global_zero)
-        self.barrier("acc_parallel.save_checkpoint")
-
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
-            self._parallel.checkpoints.load_raw_module(Path(self.broadcast(path)), state, strict=strict)
-            return {}
-        if not isinstance(state, dict):
-            raise ValueError(load_target_error("acc_parallel", state))
-        path = Path(self.broadcast(path))
-        return self._parallel.checkpoints.load_into(path, state, _single_module(state), strict=strict)
-
 
 def _unchanged(module: Module, mesh: Any) -> Module:
     return module
-
-
-def _reshard(module: Module | None) -> None:
-    """Free the parameters FSDP2 units gathered for gradient-free forwards (no backward reshards them)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if module is None:
-        return
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
-
-
-def _single_module(state: dict[str, Any]) -> Module:
-    modules = [v for v in state.values() if isinstance(v, Module)]
-    if len(modules) != 1:
-        raise ValueError(
-            f"acc_parallel checkpoints hold exactly one parallelized model, got {len(modules)} modules in the state;"
-            " save each model to its own path."
-        )
-    return modules[0]
 
 
 ENTRIES = (

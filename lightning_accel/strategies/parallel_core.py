@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from torch.nn import Module
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
@@ -107,6 +108,14 @@ class ParallelFamily:
                 " (aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy, and the math backend"
                 " mixes Tensors with DTensors). Set cp_size=1 on CPU, or train on CUDA devices."
             )
+
+    def configure_launch(self, world_size: int, devices: list[torch.device] | None, precision: Any) -> None:
+        """Before the processes start: fit the config to them (:meth:`check_processes`) and bind ``precision``."""
+        from lightning_accel.strategies.precision_bridge import bind_precision
+
+        assert devices is not None
+        self.check_processes(world_size, devices[0].type)
+        bind_precision(precision, devices)
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Build the mesh (after the process group exists) with Accelerate's names and the flattened dimensions."""
@@ -241,10 +250,41 @@ class ParallelFamily:
             yield
 
 
+class _MeshRank:
+    """A read-only property: this process's coordinate along one mesh dimension (see :meth:`ParallelFamily.rank`)."""
+
+    def __init__(self, dim: str, doc: str) -> None:
+        self.dim = dim
+        self.__doc__ = doc
+
+    def __get__(self, owner: ParallelFamilyAdapter | None, cls: type | None = None) -> int:
+        if owner is None:
+            raise AttributeError(self.dim)
+        return owner._parallel.rank(self.dim)
+
+
+class _OnDevices(Protocol):
+    _parallel: ParallelFamily
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+
+
 class ParallelFamilyAdapter:
     """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``."""
 
     _parallel: ParallelFamily
+    _checkpoint_label = "acc_parallel"
+
+    @property
+    def _sharding(self) -> FSDPFamily:
+        return self._parallel.checkpoints
+
+    def _full_checkpoint_io(self) -> CheckpointIO:
+        """Lightning's model-parallel strategies take no ``CheckpointIO``: full files go through torch's own."""
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        return TorchCheckpointIO()
 
     @property
     def parallelism_config(self) -> ParallelismConfig:
@@ -261,25 +301,18 @@ class ParallelFamilyAdapter:
         """The mesh (``None`` before the processes start, and with a single process); Accelerate's name."""
         return self._parallel.mesh
 
-    @property
-    def data_parallel_rank(self) -> int:
-        """Coordinate along ``dp_replicate`` (0 without replication)."""
-        return self._parallel.rank("dp_replicate")
+    data_parallel_rank = _MeshRank("dp_replicate", "Coordinate along ``dp_replicate`` (0 without replication).")
+    data_parallel_shard_rank = _MeshRank("dp_shard", "Coordinate along ``dp_shard`` (0 without sharding).")
+    tensor_parallel_rank = _MeshRank("tp", "Coordinate along ``tp`` (0 without tensor parallelism).")
+    context_parallel_rank = _MeshRank(
+        "cp", "Coordinate along ``cp`` (0 without context parallelism; Accelerate 1.15 raises ``NotImplementedError``)."
+    )
 
     @property
-    def data_parallel_shard_rank(self) -> int:
-        """Coordinate along ``dp_shard`` (0 without sharding)."""
-        return self._parallel.rank("dp_shard")
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        """Coordinate along ``tp`` (0 without tensor parallelism)."""
-        return self._parallel.rank("tp")
-
-    @property
-    def context_parallel_rank(self) -> int:
-        """Coordinate along ``cp`` (0 without context parallelism; Accelerate 1.15 raises ``NotImplementedError``)."""
-        return self._parallel.rank("cp")
+    def distributed_type(self: _OnDevices) -> DistributedType | None:
+        """``FSDP`` when anything is sharded or split, else the multi-device (DDP) type of the devices."""
+        devices = self.parallel_devices
+        return self._parallel.distributed_type(devices[0].type if devices else None)
 
     def context_parallel(
         self,

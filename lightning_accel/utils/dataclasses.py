@@ -55,7 +55,7 @@ from lightning_accel.enums import (
     RNGType,
     SageMakerDistributedType,
 )
-from lightning_accel.utils.fsdp2_prepare import get_module_class_from_name
+from lightning_accel.utils.fsdp_utils import get_module_class_from_name
 from lightning_accel.utils.operations import TensorInformation
 
 __all__ = [

@@ -111,7 +111,7 @@ def result(trainer: L.Trainer, module: Regressor, options: dict[str, Any] | None
         "distributed_type": str(getattr(trainer.strategy, "distributed_type", None)),
         "local_fraction": local_fraction(trainer.strategy.model),
         "fsdp_units": sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in modules),
-        "checkpoint_wrappers": sum(type(m).__name__ == "CheckpointWrapper" for m in modules),
+        "checkpoint_wrappers": sum(type(m).__name__.endswith("CheckpointWrapper") for m in modules),
     }
 
 
