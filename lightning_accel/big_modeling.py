@@ -49,8 +49,8 @@ from lightning_accel.utils.modeling import (
     load_checkpoint_in_model,
     retie_parameters,
 )
-from lightning_accel.utils.modeling_sizes import DtypeLike
-from lightning_accel.utils.modeling_tensors import (
+from lightning_accel.utils.modeling.sizes import DtypeLike
+from lightning_accel.utils.modeling.tensors import (
     DeviceLike,
     TiedParamsMap,
     resolve_device,

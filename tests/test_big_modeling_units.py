@@ -18,7 +18,7 @@ import lightning_accel
 from lightning_accel import big_modeling
 from lightning_accel.hooks import ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
 from lightning_accel.utils import modeling, offload
-from lightning_accel.utils.modeling_tensors import resolve_device
+from lightning_accel.utils.modeling.tensors import resolve_device
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ from lightning_accel.checkpointing import checkpoint_folders, choose_target, wri
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.state.shared_errors import raise_on_every_process, run_where
-from lightning_accel.utils.modeling_offloaded import get_state_dict_offloaded_model, has_offloaded_params
+from lightning_accel.utils.modeling.offloaded import get_state_dict_offloaded_model, has_offloaded_params
 from lightning_accel.utils.node_copies import complete_on_each_node
 from lightning_accel.utils.other import extract_model_from_parallel, save
 

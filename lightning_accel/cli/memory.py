@@ -132,7 +132,7 @@ def estimate_table(model: nn.Module, name: str, dtypes: Iterable[str] = _DTYPES)
         dtypes: The rows, among ``float32``, ``float16``, ``int8`` and ``int4``.
 
     """
-    from lightning_accel.utils.modeling_sizes import calculate_maximum_sizes
+    from lightning_accel.utils.modeling.sizes import calculate_maximum_sizes
 
     total, (largest, _) = calculate_maximum_sizes(model)
     return _box(_HEADERS, _table_rows(total, largest, dtypes), f"Memory Usage for loading `{name}`")

@@ -16,7 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_accel.hooks.base import ModelHook, _eager, add_hook_to_module
-from lightning_accel.utils.modeling_tensors import (
+from lightning_accel.utils.modeling.tensors import (
     DeviceLike,
     TiedParamsMap,
     get_non_persistent_buffers,

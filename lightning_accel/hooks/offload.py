@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_accel.hooks.base import ModelHook, _eager, add_hook_to_module, remove_hook_from_module
 from lightning_accel.utils.constants import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 from lightning_accel.utils.memory import clear_device_cache
-from lightning_accel.utils.modeling_tensors import DeviceLike, resolve_device
+from lightning_accel.utils.modeling.tensors import DeviceLike, resolve_device
 from lightning_accel.utils.operations import send_to_device
 
 __all__ = [

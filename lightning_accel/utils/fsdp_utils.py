@@ -37,7 +37,7 @@ from lightning_accel.utils.fsdp_checkpoint import (
     save_fsdp_model,
     save_fsdp_optimizer,
 )
-from lightning_accel.utils.modeling_tensors import get_non_persistent_buffers
+from lightning_accel.utils.modeling.tensors import get_non_persistent_buffers
 from lightning_accel.utils.other import get_module_children_bottom_up, is_compiled_module, save
 from lightning_accel.utils.versions import is_torch_version
 

@@ -6,9 +6,13 @@ import functools
 import gc
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
+
+# A device-map entry: an accelerator index, a device string, or a torch.device.
+DeviceLike: TypeAlias = int | str | torch.device
+
 
 __all__ = ["clear_device_cache", "find_executable_batch_size", "release_memory", "should_reduce_batch_size"]
 
@@ -93,3 +97,57 @@ def find_executable_batch_size(
         raise RuntimeError("No executable batch size found, reached zero.")
 
     return wrapper
+
+
+def resolve_device(device: DeviceLike) -> torch.device:
+    """The ``torch.device`` a device-map entry names; an ``int`` is an index on the machine's accelerator.
+
+    Raises:
+        ValueError: For ``"disk"`` (a placement, not a device), a string torch cannot read, or a device this machine
+            lacks (an index on a machine without an accelerator, ``"cuda:3"`` with two GPUs), naming the devices it has.
+
+    """
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, int):
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is None:
+            raise ValueError(
+                f"Device {device} is an accelerator index, but torch sees no accelerator on this machine; "
+                "use 'cpu' (or 'disk') in the device map instead."
+            )
+        _check_device_exists(device, torch.device(accelerator.type, device))
+        return torch.device(accelerator.type, device)
+    if device == "disk":
+        raise ValueError("'disk' is where offloaded weights are stored, not a device tensors can be placed on.")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"Device {device!r} is not a device torch knows; use an accelerator index (0, 1, ...), a device string "
+            "such as 'cuda:0', 'cpu' or 'disk'"
+        ) from None
+    _check_device_exists(device, resolved)
+    return resolved
+
+
+def _device_count(device_type: str) -> int:
+    module = getattr(torch, device_type, None)
+    if module is None or not hasattr(module, "device_count"):
+        return 0
+    available = getattr(module, "is_available", lambda: True)
+    return int(module.device_count()) if available() else 0
+
+
+def _check_device_exists(given: DeviceLike, device: torch.device) -> None:
+    """Refuse an accelerator device this machine lacks (torch would fail later, deep inside, without naming it)."""
+    if device.type in ("cpu", "meta"):
+        return
+    count = _device_count(device.type)
+    if count and (device.index is None or device.index < count):
+        return
+    existing = [*(f"{device.type}:{index}" for index in range(count)), "cpu", "disk"]
+    raise ValueError(
+        f"Device {given!r} does not exist on this machine; the devices here are {existing}. Change the device map "
+        "to name one of them"
+    )

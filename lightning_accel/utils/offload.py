@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lightning_accel.utils.modeling_tensors import DeviceLike, resolve_device
+from lightning_accel.utils.memory import DeviceLike, resolve_device
 
 __all__ = [
     "OffloadedWeightsLoader",

@@ -92,8 +92,6 @@ def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     safetensors refuses tensors that share memory (tied weights); as in Accelerate, the later names are left out and
     the model's tying restores them on load. The caller's dict is not changed.
     """
-    from lightning_accel.utils.modeling_tensors import id_tensor_storage
-
     seen: set[tuple[torch.device, int, int]] = set()
     dropped: list[str] = []
     for name, tensor in state_dict.items():
@@ -117,8 +115,6 @@ def clean_state_dict_for_safetensors(state_dict: dict[str, Any]) -> dict[str, An
     with a warning naming them; string values (bitsandbytes metadata) are kept. Returns a new dict of contiguous
     tensors.
     """
-    from lightning_accel.utils.modeling_tensors import id_tensor_storage
-
     names_by_storage: dict[Any, list[str]] = collections.defaultdict(list)
     for name, tensor in state_dict.items():
         if not isinstance(tensor, str):
@@ -454,3 +450,15 @@ def get_module_children_bottom_up(
     if return_fqns:
         return ordered
     return [module for _, module in ordered]
+
+
+def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:
+    """An identifier of the storage behind ``tensor``: ``(device, data pointer, size in bytes)``.
+
+    Tensors sharing memory share the identifier while they live; meta tensors all get pointer 0.
+    """
+    try:
+        storage = tensor.untyped_storage()
+        return tensor.device, storage.data_ptr(), storage.nbytes()
+    except (NotImplementedError, RuntimeError):
+        return tensor.device, 0, tensor.nelement() * tensor.element_size()

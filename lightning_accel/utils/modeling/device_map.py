@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_accel.utils.modeling_sizes import (
+from lightning_accel.utils.modeling.sizes import (
     DtypeLike,
     _checked_no_split_names,
     compute_module_sizes,
@@ -30,7 +30,7 @@ from lightning_accel.utils.modeling_sizes import (
     get_max_layer_size,
     get_max_memory,
 )
-from lightning_accel.utils.modeling_tensors import DeviceLike, check_tied_parameters_in_config, find_tied_parameters
+from lightning_accel.utils.modeling.tensors import DeviceLike, check_tied_parameters_in_config, find_tied_parameters
 
 __all__ = [
     "check_device_map",

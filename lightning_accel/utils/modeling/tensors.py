@@ -17,7 +17,8 @@ from typing import Any, TypeAlias, cast
 import torch
 from torch import nn
 
-from lightning_accel.utils.memory import clear_device_cache
+from lightning_accel.utils.memory import DeviceLike, clear_device_cache, resolve_device
+from lightning_accel.utils.other import id_tensor_storage
 
 __all__ = [
     "DeviceLike",
@@ -36,66 +37,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DeviceLike: TypeAlias = int | str | torch.device
 # Original data pointer of a tied weight -> the copy already placed on each device (shared instead of re-copied).
 TiedParamsMap: TypeAlias = dict[int, dict[torch.device, torch.Tensor]]
 
 # Parameter classes whose device moves quantize the data; they need the quantization support of issue 15.
 _QUANTIZED_PARAMETER_CLASSES = ("Int8Params", "FP4Params", "Params4bit")
-
-
-def resolve_device(device: DeviceLike) -> torch.device:
-    """The ``torch.device`` a device-map entry names; an ``int`` is an index on the machine's accelerator.
-
-    Raises:
-        ValueError: For ``"disk"`` (a placement, not a device), a string torch cannot read, or a device this machine
-            lacks (an index on a machine without an accelerator, ``"cuda:3"`` with two GPUs), naming the devices it has.
-
-    """
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, int):
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        if accelerator is None:
-            raise ValueError(
-                f"Device {device} is an accelerator index, but torch sees no accelerator on this machine; "
-                "use 'cpu' (or 'disk') in the device map instead."
-            )
-        _check_device_exists(device, torch.device(accelerator.type, device))
-        return torch.device(accelerator.type, device)
-    if device == "disk":
-        raise ValueError("'disk' is where offloaded weights are stored, not a device tensors can be placed on.")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"Device {device!r} is not a device torch knows; use an accelerator index (0, 1, ...), a device string "
-            "such as 'cuda:0', 'cpu' or 'disk'"
-        ) from None
-    _check_device_exists(device, resolved)
-    return resolved
-
-
-def _device_count(device_type: str) -> int:
-    module = getattr(torch, device_type, None)
-    if module is None or not hasattr(module, "device_count"):
-        return 0
-    available = getattr(module, "is_available", lambda: True)
-    return int(module.device_count()) if available() else 0
-
-
-def _check_device_exists(given: DeviceLike, device: torch.device) -> None:
-    """Refuse an accelerator device this machine lacks (torch would fail later, deep inside, without naming it)."""
-    if device.type in ("cpu", "meta"):
-        return
-    count = _device_count(device.type)
-    if count and (device.index is None or device.index < count):
-        return
-    existing = [*(f"{device.type}:{index}" for index in range(count)), "cpu", "disk"]
-    raise ValueError(
-        f"Device {given!r} does not exist on this machine; the devices here are {existing}. Change the device map "
-        "to name one of them"
-    )
 
 
 def check_device_same(first_device: torch.device, second_device: torch.device) -> bool:
@@ -336,18 +282,6 @@ def named_module_tensors(
     for name, buffer in module.named_buffers(recurse=recurse):
         if name not in skipped:
             yield name, buffer
-
-
-def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:
-    """An identifier of the storage behind ``tensor``: ``(device, data pointer, size in bytes)``.
-
-    Tensors sharing memory share the identifier while they live; meta tensors all get pointer 0.
-    """
-    try:
-        storage = tensor.untyped_storage()
-        return tensor.device, storage.data_ptr(), storage.nbytes()
-    except (NotImplementedError, RuntimeError):
-        return tensor.device, 0, tensor.nelement() * tensor.element_size()
 
 
 def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:

@@ -2,11 +2,11 @@
 
 They live in one module per idea; this module gathers them at Accelerate's import path:
 
-- :mod:`~lightning_accel.utils.modeling_tensors`: moving one tensor, listing a module's tensors, tied weights;
-- :mod:`~lightning_accel.utils.modeling_sizes`: byte sizes and per-device memory budgets;
-- :mod:`~lightning_accel.utils.modeling_device_map`: planning and checking device maps;
-- :mod:`~lightning_accel.utils.modeling_checkpoint`: loading (sharded) checkpoints through a device map;
-- :mod:`~lightning_accel.utils.modeling_offloaded`: reading the weights of an offloaded model.
+- :mod:`~lightning_accel.utils.modeling.tensors`: moving one tensor, listing a module's tensors, tied weights;
+- :mod:`~lightning_accel.utils.modeling.sizes`: byte sizes and per-device memory budgets;
+- :mod:`~lightning_accel.utils.modeling.device_map`: planning and checking device maps;
+- :mod:`~lightning_accel.utils.modeling.checkpoint`: loading (sharded) checkpoints through a device map;
+- :mod:`~lightning_accel.utils.modeling.offloaded`: reading the weights of an offloaded model.
 """
 
 from __future__ import annotations
@@ -22,21 +22,21 @@ from lightning_accel.config import AutocastKwargs
 from lightning_accel.enums import DistributedType, PrecisionType
 from lightning_accel.state import AcceleratorState
 from lightning_accel.utils.constants import WEIGHTS_INDEX_NAME
-from lightning_accel.utils.modeling_checkpoint import load_checkpoint_in_model, load_offloaded_weights, load_state_dict
-from lightning_accel.utils.modeling_device_map import (
+from lightning_accel.utils.modeling.checkpoint import load_checkpoint_in_model, load_offloaded_weights, load_state_dict
+from lightning_accel.utils.modeling.device_map import (
     check_device_map,
     clean_device_map,
     fallback_allocate,
     get_module_size_with_ties,
     infer_auto_device_map,
 )
-from lightning_accel.utils.modeling_offloaded import (
+from lightning_accel.utils.modeling.offloaded import (
     align_module_device,
     get_state_dict_from_offload,
     get_state_dict_offloaded_model,
     has_offloaded_params,
 )
-from lightning_accel.utils.modeling_sizes import (
+from lightning_accel.utils.modeling.sizes import (
     calculate_maximum_sizes,
     compute_module_sizes,
     compute_module_total_buffer_size,
@@ -47,7 +47,7 @@ from lightning_accel.utils.modeling_sizes import (
     get_max_memory,
     get_module_leaves,
 )
-from lightning_accel.utils.modeling_tensors import (
+from lightning_accel.utils.modeling.tensors import (
     check_device_same,
     check_tied_parameters_in_config,
     check_tied_parameters_on_same_device,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_accel.enums import CustomDtype
-from lightning_accel.utils.modeling_tensors import named_module_tensors
+from lightning_accel.utils.modeling.tensors import named_module_tensors
 
 __all__ = [
     "DtypeLike",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_accel.utils.modeling_tensors import DeviceLike, set_module_tensor_to_device
+from lightning_accel.utils.modeling.tensors import DeviceLike, set_module_tensor_to_device
 
 __all__ = [
     "align_module_device",

@@ -26,8 +26,8 @@ from torch import nn
 
 from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
-from lightning_accel.utils.modeling_sizes import DtypeLike, _as_dtype
-from lightning_accel.utils.modeling_tensors import (
+from lightning_accel.utils.modeling.sizes import DtypeLike, _as_dtype
+from lightning_accel.utils.modeling.tensors import (
     DeviceLike,
     _owner_and_name,
     check_tied_parameters_in_config,
