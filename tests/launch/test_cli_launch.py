@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import lightning_accel
-from tests.helpers import SCRIPTS, clean_env, free_port, run_python, wait_all
+from tests.helpers import ACCELERATE_CONFIGS, SCRIPTS, clean_env, free_port, run_python, wait_all
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 LAUNCH = ["-m", "lightning_accel.cli", "launch"]
 TIMEOUT = 240
 

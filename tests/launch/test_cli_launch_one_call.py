@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import SCRIPTS, run_python
+from tests.helpers import ACCELERATE_CONFIGS, SCRIPTS, run_python
 
 pytest.importorskip("accelerate")
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 TIMEOUT = 240
 CONFIGS = {
     # FSDP2, every Linear its own unit (+ the root), sharded state dicts.

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from lightning_accel.cli import main
-from tests.helpers import clean_env, run_python
+from tests.helpers import ACCELERATE_CONFIGS, clean_env, run_python
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 CLI = ["-m", "lightning_accel.cli"]
 
 

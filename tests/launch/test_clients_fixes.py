@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from torch import nn
 
-from tests.helpers import load_rank_results, reset_accelerator_states, run_python
+from tests.helpers import load_rank_results, run_python
 
 Results = dict[str, list[dict[str, Any]]]
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
@@ -73,13 +72,6 @@ def test_join_override_names_map_style_loaders(results: Results) -> None:
 
 
 # ---- single process ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _fresh_state() -> Iterator[None]:
-    reset_accelerator_states()
-    yield
-    reset_accelerator_states()
 
 
 class Block(nn.Module):

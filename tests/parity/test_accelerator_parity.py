@@ -14,6 +14,8 @@ import torch
 
 from tests.helpers import SCRIPTS, load_rank_results, run_python, torchrun
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 Results = dict[str, list[dict[str, Any]]]
 
 

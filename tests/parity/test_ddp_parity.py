@@ -10,6 +10,8 @@ import torch
 
 from tests.helpers import load_rank_results, torchrun
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 SAME_AS_DDP = ["acc_multi_cpu", "acc_ddp", "acc_kwargs"]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_accel"
 MAX_LINES = 600
 
 # The Accelerator shim: its public modules at Accelerate's paths and its private subpackage.

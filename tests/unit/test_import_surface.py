@@ -13,7 +13,6 @@ import subprocess
 import sys
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,20 +27,11 @@ from packaging.version import Version
 
 from lightning_accel import utils as ours
 from lightning_accel.enums import DistributedType
-from lightning_accel.state import reset_state
 from lightning_accel.utils import imports as our_imports
 from lightning_accel.utils.environment import settings_from_env
 from lightning_accel.utils.launch import prepare_multi_gpu_env
 from lightning_accel.utils.other import get_free_port
 from tests.helpers import clean_env
-
-
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
-
 
 # ---- availability checks ------------------------------------------------------------------------------------------
 
@@ -79,6 +69,7 @@ def test_availability_arguments_agree_with_hf() -> None:
         our_imports.is_torch_xla_available(check_is_tpu=True, check_is_gpu=True)
 
 
+@pytest.mark.launch
 def test_availability_checks_import_no_package() -> None:
     """Asking every check imports none of the packages it asks about (a fresh interpreter)."""
     code = (

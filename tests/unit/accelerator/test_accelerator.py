@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,9 @@ from lightning_accel.utils import (
 
 
 @pytest.fixture(autouse=True)
-def fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _no_launcher_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
-    reset_state()
-    yield
-    reset_state()
 
 
 def loader(n: int = 10, batch_size: int = 4, shuffle: bool = False) -> DataLoader:

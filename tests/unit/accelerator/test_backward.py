@@ -23,13 +23,11 @@ Result = tuple[list[torch.Tensor], list[torch.Tensor]]  # gradients after backwa
 
 
 @pytest.fixture(autouse=True)
-def _fresh_state() -> Iterator[None]:
+def _clean_environment() -> Iterator[None]:
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(clean_env())
-    reset_state()
     yield
-    reset_state()
     os.environ.clear()  # DeepSpeed's setup leaves RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK behind
     os.environ.update(saved)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import accelerate
@@ -13,13 +12,6 @@ from torch import nn
 
 import lightning_accel
 from tests.helpers import reset_accelerator_states
-
-
-@pytest.fixture(autouse=True)
-def _fresh_states() -> Iterator[None]:
-    reset_accelerator_states()
-    yield
-    reset_accelerator_states()
 
 
 def _prepare_twice_and_save(library: object, folder: Path) -> tuple[bool, list[str]]:

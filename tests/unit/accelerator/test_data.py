@@ -29,18 +29,10 @@ from lightning_accel.data_loader import (
     IterableDatasetShard,
     prepare_data_loader,
 )
-from lightning_accel.state import reset_state
 from tests.helpers import SCRIPTS, load_rank_results, run_python, torchrun
 
 Results = dict[str, list[dict[str, Any]]]
 HAS_TORCHDATA = importlib.util.find_spec("torchdata") is not None
-
-
-@pytest.fixture(autouse=True)
-def _fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 # ---- differential: one launch per process count --------------------------------------------------------------------
@@ -65,6 +57,7 @@ def _cases(results: Results) -> Iterator[tuple[int, str, dict[str, Any], dict[st
             yield rank, case, ours[case], hf[case]
 
 
+@pytest.mark.launch
 def test_same_batches_on_every_process(results: Results) -> None:
     for rank, case, ours, hf in _cases(results):
         for key in ("batches", "ends", "remainders", "length"):
@@ -72,6 +65,7 @@ def test_same_batches_on_every_process(results: Results) -> None:
         assert all(flags[-1] and not any(flags[:-1]) for flags in ours["ends"] if flags), case
 
 
+@pytest.mark.launch
 def test_same_loader_classes(results: Results) -> None:
     for _, case, ours, hf in _cases(results):
         assert ours["type"] == hf["type"], case
@@ -79,6 +73,7 @@ def test_same_loader_classes(results: Results) -> None:
     assert dispatched == {case for case in results["hf"][0] if "dispatch" in case}
 
 
+@pytest.mark.launch
 def test_same_weights_after_training(results: Results) -> None:
     trained = set()
     for _, case, ours, hf in _cases(results):
@@ -90,6 +85,7 @@ def test_same_weights_after_training(results: Results) -> None:
     assert {"split", "uneven_same_count", "custom_batch_sampler", "iterable_shard", "map_dispatch_shuffled"} <= trained
 
 
+@pytest.mark.launch
 def test_gather_for_metrics_counts(results: Results) -> None:
     for _, case, ours, hf in _cases(results):
         assert ours.get("gathered") == hf.get("gathered"), case
@@ -104,6 +100,7 @@ def test_gather_for_metrics_counts(results: Results) -> None:
         assert len(first["iterable_shard"]["gathered"]) == 24
 
 
+@pytest.mark.launch
 def test_even_batches_false_gives_fewer_batches_to_some_processes(results: Results) -> None:
     if len(results["ours"]) == 1:
         pytest.skip("needs two processes")
@@ -113,6 +110,7 @@ def test_even_batches_false_gives_fewer_batches_to_some_processes(results: Resul
     assert seen == list(range(20))  # nothing repeated, nothing lost
 
 
+@pytest.mark.launch
 def test_join_uneven_inputs_matches_a_plain_pytorch_replay(results: Results) -> None:
     """Processes run out at different steps; under join the ones left average with the joined ones' zeros."""
     from tests.scripts.accelerator_data import sample
@@ -136,6 +134,7 @@ def test_join_uneven_inputs_matches_a_plain_pytorch_replay(results: Results) -> 
             torch.testing.assert_close(run["weights"][key], value, msg=key)
 
 
+@pytest.mark.launch
 @pytest.mark.skipif(not HAS_TORCHDATA, reason="torchdata is not installed")
 def test_stateful_loader_resumes_like_accelerate(results: Results) -> None:
     for rank, case, ours, hf in _cases(results):

@@ -3,7 +3,8 @@
 HF accelerate runs DeepSpeed on one CPU process only with ``transformers`` installed, which the test environment lacks.
 The reference here is therefore HF accelerate's own ``DeepSpeedPlugin`` processing (``set_mixed_precision``,
 ``fill_match``, ``deepspeed_config_process``) fed what ``Accelerator._prepare_deepspeed`` feeds it in 1.15. Engine
-runs on 2 processes (weights against DDP, the config the engine got) are in ``tests/test_accelerator_sharded_ckpt.py``.
+runs on 2 processes (weights against DDP, the config the engine got) are in
+``tests/unit/checkpoint/test_accelerator_sharded_ckpt.py``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from lightning_accel._shim.deepspeed_prepare import (
     dummy_fills,
     resolve_prepare_config,
 )
-from lightning_accel.state import reset_state
 from lightning_accel.strategies.deepspeed_core import fill_engine_autos
 from lightning_accel.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
 from tests.helpers import clean_env, free_port
@@ -64,13 +63,11 @@ CASES: dict[str, tuple[dict[str, Any], int, bool, float, float, int | None, int]
 
 
 @pytest.fixture(autouse=True)
-def _fresh_state() -> Iterator[None]:
+def _clean_environment() -> Iterator[None]:
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
-    reset_state()
     yield
-    reset_state()
     os.environ.clear()  # DeepSpeed's setup leaves RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK behind
     os.environ.update(saved)
 
@@ -151,6 +148,7 @@ def test_dummies_without_deepspeed_are_refused() -> None:
         accelerator.prepare(DummyScheduler(optimizer))
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")
 def test_config_optimizer_and_warmup_train_one_process() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))

@@ -40,6 +40,7 @@ def _assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor],
         torch.testing.assert_close(value, theirs[key], rtol=0, atol=atol, msg=key)
 
 
+@pytest.mark.launch
 def test_ddp_no_sync_on_the_prepared_model_gives_hf_accelerates_weights(results: Results) -> None:
     for ours, hf in zip(results["ours_ddp"], results["hf_ddp"], strict=True):
         assert ours["unsynced"] == hf["unsynced"] == [True] * 2  # no_sync really kept each rank's own gradients
@@ -48,6 +49,7 @@ def test_ddp_no_sync_on_the_prepared_model_gives_hf_accelerates_weights(results:
         _assert_same(ours["weights"], hf["weights"])
 
 
+@pytest.mark.launch
 def test_deepspeed_prepare_returns_the_engine(results: Results) -> None:
     for ours in results["ours_deepspeed"]:
         assert ours["is_engine"] and ours["optimizer_wrapper"] and ours["engine_wrapped"]
@@ -55,6 +57,7 @@ def test_deepspeed_prepare_returns_the_engine(results: Results) -> None:
         assert ours["unwrapped_is_user_model"]
 
 
+@pytest.mark.launch
 def test_deepspeed_engine_trains_checkpoints_and_restores(results: Results) -> None:
     plain = results["plain_deepspeed"][0]
     for ours in results["ours_deepspeed"]:
@@ -66,6 +69,7 @@ def test_deepspeed_engine_trains_checkpoints_and_restores(results: Results) -> N
         _assert_same(ours["after_load_state"], ours["weights"])  # ... and so did accelerator.load_state
 
 
+@pytest.mark.launch
 def test_clip_grad_norm_is_the_global_norm_under_fsdp1_and_fsdp2(results: Results) -> None:
     """FSDP1's parameters are flat local shards: its root module computes the norm (each rank got its own before)."""
     for norms in results["ours_sharded"]:

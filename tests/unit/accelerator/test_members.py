@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import accelerate
@@ -42,13 +41,6 @@ MEMBERS = (
     "te_recipe_handler",
     "msamp_recipe_handler",
 )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_states() -> Iterator[None]:
-    reset_accelerator_states()
-    yield
-    reset_accelerator_states()
 
 
 def _both(**kwargs: Any) -> tuple[Any, Any]:

@@ -5,14 +5,6 @@ import pytest
 
 from lightning_accel import Accelerator
 from lightning_accel.utils import DataLoaderConfiguration, ParallelismConfig
-from tests.helpers import reset_accelerator_states
-
-
-@pytest.fixture(autouse=True)
-def _fresh_state():
-    reset_accelerator_states()
-    yield
-    reset_accelerator_states()
 
 
 def test_positional_order_is_accelerates():

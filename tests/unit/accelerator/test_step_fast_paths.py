@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,14 +16,6 @@ from torch import nn
 from lightning_accel import Accelerator
 from lightning_accel._shim.module import passes_forward_through
 from lightning_accel.precision.plugins import BF16Precision, FP32Precision
-from lightning_accel.state import reset_state
-
-
-@pytest.fixture(autouse=True)
-def _fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,11 +133,13 @@ def test_fabric_inference_and_refused_optimizer(checkpoint: Path) -> None:
     fabric.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
 
 
+@pytest.mark.launch
 def test_example_runs_under_a_minute() -> None:
     proc = run_python([str(EXAMPLE)], timeout=120)
     assert "Trainer.predict (disk offload) == in-memory predict == Fabric, 16 samples" in proc.stdout
 
 
+@pytest.mark.launch
 def test_peak_rss_of_disk_offloaded_predict_stays_far_below_the_model(tmp_path: Path) -> None:
     # 16 blocks of 2 x 768 x 768 fp32: ~75 MiB, one block ~4.5 MiB. Each mode runs in its own process.
     # glibc's malloc raises its mmap threshold as buffers are freed, then keeps freed per-layer buffers in the heap

@@ -1,6 +1,6 @@
 """lightning_accel.callbacks in one process (``acc_no``): accumulation windows, sampler order, rotation, kill-safety.
 
-The 2-process composition and exact resume are in ``tests/test_callbacks_distributed.py``.
+The 2-process composition and exact resume are in ``tests/launch/test_callbacks_distributed.py``.
 """
 
 from __future__ import annotations
@@ -442,6 +442,7 @@ def test_rng_states_round_trip_and_gather_without_a_process_group() -> None:
         restore_rng_states({"random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()})
 
 
+@pytest.mark.launch
 def test_sigkill_during_a_save_leaves_earlier_checkpoints_intact_and_resumable(tmp_path: Path) -> None:
     ready = tmp_path / "stalled"
     script = SCRIPTS / "callbacks_kill_during_save.py"

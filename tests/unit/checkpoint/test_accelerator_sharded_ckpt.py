@@ -63,6 +63,7 @@ def _assert_same(ours: Any, theirs: Any, where: str = "") -> None:
         assert ours == theirs, where
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", FSDP + ZERO)
 def test_engines_train_as_ddp(run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str) -> None:
     reference = run[1]["ddp"][0]["a"]["final"]
@@ -71,6 +72,7 @@ def test_engines_train_as_ddp(run: tuple[Path, dict[str, list[dict[str, Any]]]],
         torch.testing.assert_close(final[key], reference[key], rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["ddp", *FSDP, *ZERO])
 def test_resume_is_exact(run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str) -> None:
     main = run[1][variant][0]
@@ -82,6 +84,7 @@ def test_resume_is_exact(run: tuple[Path, dict[str, list[dict[str, Any]]]], vari
     assert a["lr"] == b["lr"]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", [*FSDP, "zero3"])
 def test_gathered_weights_only_on_the_main_process(
     run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
@@ -89,6 +92,7 @@ def test_gathered_weights_only_on_the_main_process(
     assert run[1][variant][1]["a"]["final"] == {}  # get_state_dict gathers to the main process, as Accelerate
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(
     ("variant", "files"),
     [
@@ -107,6 +111,7 @@ def test_fsdp_file_names_are_accelerates(
         assert _entries(folder) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one shard file per process
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", HF_WROTE)
 def test_fsdp_files_hold_what_hf_accelerate_writes(
     run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str, tmp_path: Path
@@ -118,6 +123,7 @@ def test_fsdp_files_hold_what_hf_accelerate_writes(
         _assert_same(_contents(ours / name, tmp_path), _contents(hf / name, tmp_path), name)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", HF_WROTE)
 def test_hf_accelerate_loads_ours_and_we_load_hfs(
     run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
@@ -129,6 +135,7 @@ def test_hf_accelerate_loads_ours_and_we_load_hfs(
     assert _entries(run[0] / variant / "ours_with_hf_files") == _entries(run[0] / variant / "checkpoint")
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(
     ("variant", "engine_files"),
     [
@@ -147,6 +154,7 @@ def test_deepspeed_checkpoint_is_the_engines_folder(
     assert set(engine_files) <= set(_entries(checkpoint / "pytorch_model"))
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", FSDP + ZERO)
 def test_save_model_writes_the_gathered_weights(
     run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
@@ -173,6 +181,7 @@ class _ZeRO3Engine(torch.nn.Module):
         return False
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["zero2", "zero2_no_clip_call", "zero1_each_batch", "zero2_each_batch"])
 def test_deepspeed_clips_at_accelerates_default_and_accumulates_with_sync_each_batch(
     run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
@@ -184,6 +193,7 @@ def test_deepspeed_clips_at_accelerates_default_and_accumulates_with_sync_each_b
         torch.testing.assert_close(rules[variant]["final"][key], reference[key], rtol=0, atol=1e-5, msg=key)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["zero2", "zero2_each_batch"])
 def test_deepspeed_clip_grad_norm_returns_the_engines_global_norm(
     run: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
@@ -198,8 +208,9 @@ def test_deepspeed_clip_grad_norm_returns_the_engines_global_norm(
         assert not any(rules[variant]["skipped"]), rank
 
 
+@pytest.mark.launch
 def test_deepspeed_engine_gets_accelerates_config(run: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
-    from tests.test_accelerator_deepspeed import hf_prepared_config
+    from tests.unit.accelerator.test_deepspeed import hf_prepared_config
 
     expected = hf_prepared_config(
         {"zero_stage": 2}, mixed_precision="no", accumulation=2, batch_sizes=(2,), world_size=2

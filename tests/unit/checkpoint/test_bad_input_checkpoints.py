@@ -19,6 +19,7 @@ _NAMED = ("acc_no", "acc_multi_cpu", "acc_fsdp", "acc_parallel", "fabric:acc_no"
 _STRATEGIES = (*_NAMED, "acc_deepspeed")
 
 
+@pytest.mark.launch
 def test_trainer_resume_from_a_corrupted_ckpt_names_the_file_under_every_strategy(tmp_path: Path) -> None:
     """Lightning (and torch) raise ``PytorchStreamReader failed reading zip archive`` without the file's path."""
     run_python(
@@ -54,6 +55,7 @@ def _save_at(accelerator: Accelerator, data: DataLoader, epoch_and_batch: tuple[
                 return
 
 
+@pytest.mark.launch
 def test_a_checkpoint_saved_by_2_processes_loads_into_1_restoring_all_but_the_position(tmp_path: Path) -> None:
     """HF accelerate 1.15 loads it silently (it restores no loader position or epoch: epoch 0 restarts)."""
     torchrun("bad_input_save_at_two.py", str(tmp_path), timeout=300)

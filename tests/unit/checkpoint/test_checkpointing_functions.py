@@ -23,18 +23,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lightning_accel import checkpointing as ours
-from lightning_accel.state import reset_state
 
 
 @pytest.fixture(autouse=True)
-def states() -> Iterator[None]:
+def hf_partial_state() -> None:
     from accelerate.state import PartialState
 
-    reset_state()
     PartialState(cpu=True)  # HF's functions log and save through it
-    yield
-    PartialState._reset_state()
-    reset_state()
 
 
 class Tied(nn.Module):

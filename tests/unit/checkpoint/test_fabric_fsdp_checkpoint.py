@@ -27,6 +27,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     return load_rank_results(out)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["ddp", *SHARDED])
 def test_resume_restores_the_stateful_loader_and_continues_exactly(results: Results, variant: str) -> None:
     for rank in results[f"resume_{variant}"]:
@@ -43,6 +44,7 @@ def test_resume_restores_the_stateful_loader_and_continues_exactly(results: Resu
         assert not {"loader", "step", "model", "optimizer"} & set(rank["remainder"])
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", SHARDED)
 def test_sharded_runs_match_ddp(results: Results, variant: str) -> None:
     for ours, ddp in zip(results[f"resume_{variant}"], results["resume_ddp"], strict=True):
@@ -52,6 +54,7 @@ def test_sharded_runs_match_ddp(results: Results, variant: str) -> None:
             torch.testing.assert_close(ours["weights"][key], value, rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["ddp", "fsdp2_full", "fsdp1_full", "parallel"])
 def test_load_raw_puts_a_plain_state_dict_file_into_the_shards(results: Results, variant: str) -> None:
     for rank in results[f"raw_{variant}"]:
@@ -64,6 +67,7 @@ def test_load_raw_puts_a_plain_state_dict_file_into_the_shards(results: Results,
             assert "loads an optimizer only together with its sharded model" in optimizer and "SGD" in optimizer
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["fsdp2_full", "fsdp1_full"])
 def test_empty_init_is_materialized_with_reset_parameters(results: Results, variant: str) -> None:
     for rank in results[f"empty_init_{variant}"]:

@@ -2,7 +2,7 @@
 
 The plan is checked as a pure function; the transfers on 2 processes of one node (torchrun, gloo), with one folder
 per rank standing in for each node's disk, one shared folder, and a failing write. Two real loopback "nodes" with
-their own working directories are in ``tests/test_cli_launch.py``.
+their own working directories are in ``tests/launch/test_cli_launch.py``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, An
     return load_rank_results(out)
 
 
+@pytest.mark.launch
 def test_each_disk_receives_the_files_it_lacks_in_chunks(run: dict[str, list[dict[str, Any]]]) -> None:
     first, second = run["local"]
     assert (
@@ -84,6 +85,7 @@ def test_each_disk_receives_the_files_it_lacks_in_chunks(run: dict[str, list[dic
     ]
 
 
+@pytest.mark.launch
 def test_shared_storage_and_one_node_copy_nothing(run: dict[str, list[dict[str, Any]]]) -> None:
     for result in run["shared"]:
         assert result["plan"] == []
@@ -91,6 +93,7 @@ def test_shared_storage_and_one_node_copy_nothing(run: dict[str, list[dict[str, 
     assert [r["plan"] for r in run["one_node"]] == [[], []]
 
 
+@pytest.mark.launch
 def test_a_failed_write_raises_on_every_process(run: dict[str, list[dict[str, Any]]]) -> None:
     first, second = run["failure"]
     assert first["error"] is not None and second["error"] == first["error"]  # rank 0's error, on both ranks
@@ -98,6 +101,7 @@ def test_a_failed_write_raises_on_every_process(run: dict[str, list[dict[str, An
     assert any("raised on process 0 during the failure case" in note for note in second["notes"])
 
 
+@pytest.mark.launch
 def test_a_failed_read_leaves_no_file_and_raises_on_every_process(run: dict[str, list[dict[str, Any]]]) -> None:
     first, second = run["sender_failure"]
     assert first["error"] is not None and second["error"] == first["error"]
@@ -105,6 +109,7 @@ def test_a_failed_read_leaves_no_file_and_raises_on_every_process(run: dict[str,
     assert (first["files"], second["files"]) == (["shard.distcp"], [])  # nothing half-received on rank 1's disk
 
 
+@pytest.mark.launch
 def test_save_state_on_one_node_with_save_on_each_node_copies_nothing_and_loads(
     run: dict[str, list[dict[str, Any]]],
 ) -> None:

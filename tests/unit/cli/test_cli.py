@@ -16,9 +16,9 @@ from lightning_accel.cli import launch_settings, main
 from lightning_accel.cli.launch import plan_launch
 from lightning_accel.config import load_config
 from lightning_accel.enums import DistributedType
-from tests.helpers import REPO, clean_env
+from tests.helpers import ACCELERATE_CONFIGS, REPO, clean_env
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +43,7 @@ def test_console_script_is_declared_and_points_at_main() -> None:
     assert callable(main)
 
 
+@pytest.mark.launch
 def test_cli_modules_import_no_heavy_optional_packages() -> None:
     code = (
         "import sys, lightning_accel.cli, lightning_accel.cli.launch, lightning_accel.utils.environment,"
@@ -176,6 +177,7 @@ def test_launch_refuses_before_starting_anything(
     assert re.search(match, err), err
 
 
+@pytest.mark.launch
 def test_launch_runs_a_failing_script_and_reports_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "fail.py"
     script.write_text(

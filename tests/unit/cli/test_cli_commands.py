@@ -20,10 +20,11 @@ from torch import nn
 
 from lightning_accel.cli import main
 from lightning_accel.config import load_config
+from tests.helpers import ACCELERATE_CONFIGS
 
 pytest.importorskip("accelerate")
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 
 
 @pytest.fixture(autouse=True)

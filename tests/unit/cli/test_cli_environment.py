@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -27,8 +26,9 @@ from lightning_accel.utils.environment import (
     resolve_settings,
     settings_from_env,
 )
+from tests.helpers import ACCELERATE_CONFIGS
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 _TORCHRUN_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
 # What `accelerate launch` 1.15 sets for an FSDP1 file with `fsdp_reshard_after_forward: SHARD_GRAD_OP` (its

@@ -83,6 +83,7 @@ def fitted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.launch
 def test_rotation_kept_the_newest_checkpoints(fitted: dict[str, Any]) -> None:
     # 4 saves (steps 2, 4, 6, 8) are checkpoint_0 .. checkpoint_3; total_limit=2 keeps the last two
     assert fitted["checkpoints"] == ["checkpoint_2", "checkpoint_3"]
@@ -92,6 +93,7 @@ def test_rotation_kept_the_newest_checkpoints(fitted: dict[str, Any]) -> None:
     assert sum(name.endswith(".distcp") for name in names) == 2
 
 
+@pytest.mark.launch
 def test_fit_ran_to_max_steps_with_the_cli_callbacks(fitted: dict[str, Any]) -> None:
     fit = [r for r in fitted["records"] if r["fn"] == "fit"]
     # GradientAccumulation(num_steps=2): 4 micro-batches per epoch and process make 2 optimizer steps per epoch
@@ -107,6 +109,7 @@ def test_fit_ran_to_max_steps_with_the_cli_callbacks(fitted: dict[str, Any]) -> 
     ]
 
 
+@pytest.mark.launch
 def test_validate_from_the_rotated_checkpoint_gives_the_fitted_model(fitted: dict[str, Any]) -> None:
     fit = [r for r in fitted["records"] if r["fn"] == "fit"]
     validate = [r for r in fitted["records"] if r["fn"] == "validate"]
@@ -126,6 +129,7 @@ def parse(*args: str) -> Any:
         return LightningCLI(Classifier, run=False, args=[*base, *args]).trainer
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")
 def test_strategy_and_plugin_by_class_path(tmp_path: Path) -> None:
     fsdp = {
         "class_path": "lightning_accel.strategies.AcceleratedFSDPStrategy",
@@ -138,6 +142,7 @@ def test_strategy_and_plugin_by_class_path(tmp_path: Path) -> None:
     assert (strategy.fsdp_plugin.fsdp_version, strategy.fsdp_plugin.state_dict_type) == (1, "FULL_STATE_DICT")
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")
 def test_deepspeed_plugin_by_class_path() -> None:
     strategy = parse(
         "--trainer.strategy.class_path=lightning_accel.strategies.deepspeed.AcceleratedDeepSpeedStrategy",
@@ -148,6 +153,7 @@ def test_deepspeed_plugin_by_class_path() -> None:
     assert strategy.config["zero_optimization"]["stage"] == 3
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")
 def test_callbacks_by_class_path_on_the_command_line(tmp_path: Path) -> None:
     trainer = parse(
         "--trainer.strategy=acc_fsdp",

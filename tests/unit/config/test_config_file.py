@@ -20,8 +20,9 @@ from lightning_accel.strategies import (
     AcceleratedSingleDeviceStrategy,
 )
 from lightning_accel.utils.environment import accelerator_kwargs, default_config_file, write_basic_config
+from tests.helpers import ACCELERATE_CONFIGS
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 CONFIG_FILES = [*sorted(FIXTURES.glob("*.yaml")), FIXTURES / "basic.json"]
 
 

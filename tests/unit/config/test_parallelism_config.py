@@ -77,5 +77,6 @@ def test_config_never_reads_the_environment(monkeypatch):
     assert ParallelismConfig().tp_size == 1
 
 
+@pytest.mark.launch
 def test_build_device_mesh_on_two_cpu_processes():
     torchrun("parallelism_mesh.py", timeout=180)

@@ -21,17 +21,9 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 import lightning_accel
 from lightning_accel import utils as ours
 from lightning_accel.data_loader import SkipBatchSampler, SkipDataLoader, skip_first_batches
-from lightning_accel.state import GradientState, PartialState, reset_state
+from lightning_accel.state import GradientState, PartialState
 from lightning_accel.utils.other import get_free_port
 from tests.helpers import REPO, clean_env
-
-
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
-
 
 # ---- data loaders -------------------------------------------------------------------------------------------------
 
@@ -100,6 +92,7 @@ def test_dispatcher_without_a_device_as_hf() -> None:
     assert [b["name"] for b in batches] == [b["name"] for b in hf_batches] == ["batch"] * 3
 
 
+@pytest.mark.launch
 def test_stateful_loaders_are_stateful_data_loaders(tmp_path: Path) -> None:
     if importlib.util.find_spec("torchdata") is None:
         pytest.skip("needs torchdata")
@@ -173,6 +166,7 @@ def _failing_worker() -> None:
     raise RuntimeError("boom in a worker")
 
 
+@pytest.mark.launch
 def test_debug_launcher_runs_two_cpu_processes(tmp_path: Path) -> None:
     lightning_accel.debug_launcher(_record_worker, args=(str(tmp_path), 10))
     lines = sorted(path.read_text() for path in tmp_path.iterdir())
@@ -183,6 +177,7 @@ def test_debug_launcher_runs_two_cpu_processes(tmp_path: Path) -> None:
     assert "ACCELERATE_DEBUG_RDV_FILE" not in os.environ and "WORLD_SIZE" not in os.environ
 
 
+@pytest.mark.launch
 def test_debug_launcher_one_process_and_errors(tmp_path: Path) -> None:
     lightning_accel.debug_launcher(_record_worker, args=(str(tmp_path), 0), num_processes=1)
     assert (tmp_path / "rank0").read_text() == "0 1 [0] NO [7, 8, 9] torch.int32"
@@ -192,6 +187,7 @@ def test_debug_launcher_one_process_and_errors(tmp_path: Path) -> None:
         lightning_accel.debug_launcher(_failing_worker, num_processes=0)
 
 
+@pytest.mark.launch
 def test_notebook_launcher_runs_elastic_workers(tmp_path: Path) -> None:
     script = tmp_path / "notebook.py"
     script.write_text(

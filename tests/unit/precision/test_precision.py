@@ -205,6 +205,7 @@ def distributed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     return found
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["acc_multi_cpu", "fsdp2", "fsdp1"])
 def test_bf16_mixed_autocasts_on_two_cpu_processes(distributed: dict[str, Any], variant: str) -> None:
     for rank in distributed[variant]:

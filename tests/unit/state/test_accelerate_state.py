@@ -7,7 +7,6 @@ the device ``ACCELERATE_TORCH_DEVICE`` names, ``PartialState`` and ``Accelerator
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -26,20 +25,6 @@ LIBRARIES = [
     pytest.param((accelerate, hf_state, hf_utils), id="hf"),
     pytest.param((lightning_accel, our_state, our_utils), id="ours"),
 ]
-
-
-def _reset(state: ModuleType) -> None:
-    state.AcceleratorState._reset_state(reset_partial_state=True)
-    state.GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def fresh_states() -> Iterator[None]:
-    for state in (hf_state, our_state):
-        _reset(state)
-    yield
-    for state in (hf_state, our_state):
-        _reset(state)
 
 
 @pytest.mark.parametrize("library", LIBRARIES)

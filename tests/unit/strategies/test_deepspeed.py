@@ -209,6 +209,7 @@ def test_devices_other_than_cpu_and_cuda_are_refused() -> None:
     family.check_devices([torch.device("cpu"), torch.device("cpu")])
 
 
+@pytest.mark.launch
 def test_missing_deepspeed_names_the_install_command() -> None:
     code = (
         "import sys\n"
@@ -252,6 +253,7 @@ def assert_same_run(ours: list[dict[str, Any]], reference: list[dict[str, Any]],
             torch.testing.assert_close(value, b["weights"][prefix + key], rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_matches_lightning_ddp(results: dict[str, list[dict[str, Any]]], stage: int) -> None:
     ours = results[f"stage{stage}"]
@@ -262,6 +264,7 @@ def test_zero_stage_matches_lightning_ddp(results: dict[str, list[dict[str, Any]
     assert_same_run(ours, results["ddp"])
 
 
+@pytest.mark.launch
 def test_compiled_model_under_deepspeed_matches_lightning_ddp(results: dict[str, list[dict[str, Any]]]) -> None:
     # TorchDynamoPlugin(backend="aot_eager") compiles the LightningModule's network before DeepSpeed wraps it.
     assert [r["compiled"] for r in results["stage2_compiled"]] == [True, True]
@@ -269,6 +272,7 @@ def test_compiled_model_under_deepspeed_matches_lightning_ddp(results: dict[str,
     assert_same_run(results["stage2_compiled"], results["ddp"])
 
 
+@pytest.mark.launch
 def test_stage3_with_cpu_offload_matches_lightning_ddp(results: dict[str, list[dict[str, Any]]]) -> None:
     ours = results["stage3_offload"]
     assert [r["zero_stage"] for r in ours] == [3, 3]
@@ -276,12 +280,14 @@ def test_stage3_with_cpu_offload_matches_lightning_ddp(results: dict[str, list[d
     assert_same_run(ours, results["ddp"])
 
 
+@pytest.mark.launch
 def test_bf16_mixed_trains_in_bf16_close_to_fp32(results: dict[str, list[dict[str, Any]]]) -> None:
     ours, reference = results["stage2_bf16"][0], results["ddp"][0]
     assert {v.dtype for v in ours["weights"].values()} == {torch.bfloat16}  # DeepSpeed's bf16 section was added
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(reference["losses"][:6]), rtol=0, atol=1e-2)
 
 
+@pytest.mark.launch
 def test_stage3_shards_parameters_and_stages_1_2_do_not(results: dict[str, list[dict[str, Any]]]) -> None:
     for rank in results["stage3"]:
         assert rank["built_partitioned"] is True  # configure_model ran under deepspeed.zero.Init
@@ -291,11 +297,13 @@ def test_stage3_shards_parameters_and_stages_1_2_do_not(results: dict[str, list[
         assert all(r["local_numel"] == r["full_numel"] for r in results[stage])
 
 
+@pytest.mark.launch
 def test_micro_batch_and_train_batch_come_from_the_dataloader(results: dict[str, list[dict[str, Any]]]) -> None:
     rank0 = results["stage2"][0]
     assert (rank0["engine_micro_batch"], rank0["engine_accumulation"], rank0["engine_train_batch"]) == (8, 1, 16)
 
 
+@pytest.mark.launch
 def test_accumulation_and_clipping_match_ddp(results: dict[str, list[dict[str, Any]]]) -> None:
     ours, reference = results["stage2_accumulate"], results["ddp_accumulate"]
     # The plugin's accumulation (the Trainer left its default 1) and the Trainer's clipping (the plugin said 'auto').
@@ -308,6 +316,7 @@ def test_accumulation_and_clipping_match_ddp(results: dict[str, list[dict[str, A
     assert_same_run(ours, reference)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_continues_exactly(results: dict[str, list[dict[str, Any]]], stage: int) -> None:
     full, resumed = results[f"stage{stage}"], results[f"stage{stage}_resume"]
@@ -321,6 +330,7 @@ def test_resume_continues_exactly(results: dict[str, list[dict[str, Any]]], stag
             torch.testing.assert_close(value, full[rank]["weights"][key], rtol=0, atol=1e-6)
 
 
+@pytest.mark.launch
 def test_fabric_stage3_matches_lightning_ddp(results: dict[str, list[dict[str, Any]]]) -> None:
     ours = results["fabric_stage3"]
     assert [r["strategy_class"] for r in ours] == ["FabricAcceleratedDeepSpeedStrategy"] * 2
@@ -330,6 +340,7 @@ def test_fabric_stage3_matches_lightning_ddp(results: dict[str, list[dict[str, A
     assert [r["loaded_remainder"] for r in ours] == [{"epochs": 2}] * 2
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["conflict_accumulation", "conflict_batch_size"])
 def test_conflicts_raise_in_the_trainer(results: dict[str, list[dict[str, Any]]], variant: str) -> None:
     expected = {
@@ -341,6 +352,7 @@ def test_conflicts_raise_in_the_trainer(results: dict[str, list[dict[str, Any]]]
         assert expected in rank["error"]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_checkpoint_consolidates_into_a_plain_module(
     run: tuple[dict[str, list[dict[str, Any]]], Path], stage: int
@@ -363,6 +375,7 @@ def test_checkpoint_consolidates_into_a_plain_module(
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), plain.parameters(), strict=True))
 
 
+@pytest.mark.launch
 def test_fabric_checkpoint_consolidates(run: tuple[dict[str, list[dict[str, Any]]], Path]) -> None:
     results, out = run
     state = consolidate_deepspeed_checkpoint(out / "fabric_stage3.ckpt")
@@ -378,6 +391,7 @@ def test_consolidating_something_else_says_what_to_pass(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- one GPU
 
 
+@pytest.mark.launch
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_one_gpu_stages_match_ddp_and_resume(tmp_path: Path) -> None:
@@ -393,6 +407,7 @@ def test_one_gpu_stages_match_ddp_and_resume(tmp_path: Path) -> None:
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(ours["losses"][6:]), rtol=0, atol=1e-6)
 
 
+@pytest.mark.launch
 def test_optimizer_and_scheduler_declared_in_the_config(results: dict[str, list[dict[str, Any]]]) -> None:
     rank0 = results["declared_optimizer"][0]
     assert rank0["basic_optimizer"] == "AdamW"  # built by DeepSpeed from the config, not configure_optimizers' SGD

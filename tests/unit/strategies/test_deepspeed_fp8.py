@@ -2,7 +2,7 @@
 
 On CPU the strategies refuse fp8 like every other strategy does; the conversion, the config reconciliation and the
 engine itself are exercised on 2 CPU processes by ``tests/scripts/deepspeed_fp8.py`` (torch's CPU ``_scaled_mm`` runs
-torchao's float8 matmuls). The Trainer and Fabric runs on a GPU are in ``tests/test_gpu.py``.
+torchao's float8 matmuls). The Trainer and Fabric runs on a GPU are in ``tests/launch/test_gpu.py``.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return load_rank_results(out)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("stage", [2, 3])
 def test_engine_gets_float8_linears_and_trains_in_bf16(engines: dict[str, list[dict[str, Any]]], stage: int) -> None:
     for rank in engines[f"fp8_stage{stage}"]:
@@ -95,6 +96,7 @@ def test_engine_gets_float8_linears_and_trains_in_bf16(engines: dict[str, list[d
         assert rank["losses"][-1] < 0.6 * rank["losses"][0]
 
 
+@pytest.mark.launch
 def test_float8_matmuls_change_the_numbers_but_track_bf16(engines: dict[str, list[dict[str, Any]]]) -> None:
     for fp8, bf16, stage3 in zip(engines["fp8_stage2"], engines["bf16_stage2"], engines["fp8_stage3"], strict=True):
         assert bf16["float8_linears"] == []

@@ -3,7 +3,8 @@
 fp8 is refused on CPU; these tests lift that one check with ``CPUFP8Precision`` (test-only, in
 ``tests/scripts/fp8_strategies.py``) and run everything else for real: the strategies, torchao's conversion and its
 float8 matmuls (torch 2.13's CPU ``_scaled_mm``), FSDP2's float8 all-gather. acc_no runs here; the 2-process cases
-run in one ``torch.distributed.run`` launch. fp8 under acc_deepspeed is in ``tests/test_deepspeed_fp8.py``.
+run in one ``torch.distributed.run`` launch. fp8 under acc_deepspeed is in
+``tests/unit/strategies/test_deepspeed_fp8.py``.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Results:
     return load_rank_results(out)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("side", ["trainer", "fabric"])
 @pytest.mark.parametrize(
     ("strategy", "wrapper", "weight"),
@@ -146,6 +148,7 @@ def test_float8_linears_are_converted_before_wrapping_and_train(
         assert trained_less(rank["losses"])
 
 
+@pytest.mark.launch
 def test_float8_numbers_differ_from_bf16(runs: Results) -> None:
     for fp8, bf16 in zip(runs["ddp_trainer"], runs["ddp_bf16_trainer"], strict=True):
         assert bf16["float8_linears"] == []
@@ -153,12 +156,14 @@ def test_float8_numbers_differ_from_bf16(runs: Results) -> None:
         torch.testing.assert_close(torch.tensor(fp8["losses"]), torch.tensor(bf16["losses"]), atol=0, rtol=0.01)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("version", [1, 2])
 def test_fsdp_with_fp32_parameters_gives_ddp_float8_losses_exactly(runs: Results, version: int) -> None:
     for fsdp, ddp in zip(runs[f"fsdp{version}_fp32_trainer"], runs["ddp_trainer"], strict=True):
         assert fsdp["losses"] == ddp["losses"]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("side", ["trainer", "fabric"])
 @pytest.mark.parametrize("version", [1, 2])
 def test_fsdp_float8_losses_track_ddp_within_bf16_reduction(runs: Results, side: str, version: int) -> None:
@@ -170,6 +175,7 @@ def test_fsdp_float8_losses_track_ddp_within_bf16_reduction(runs: Results, side:
         torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(ddp["losses"]), atol=0, rtol=5e-3)
 
 
+@pytest.mark.launch
 def test_fsdp2_float8_all_gather_gives_ddp_forward_exactly(runs: Results) -> None:
     # Before any step the only difference left is FSDP1's: it casts weights to bf16 before float8 (FSDP2 all-gathers
     # float8 cast from the fp32 shards, DDP casts the fp32 weight; same scales, same bits).
@@ -178,6 +184,7 @@ def test_fsdp2_float8_all_gather_gives_ddp_forward_exactly(runs: Results) -> Non
         assert fsdp1["losses"][0] != ddp["losses"][0]
 
 
+@pytest.mark.launch
 def test_fsdp2_float8_scales_follow_a_checkpoint_load(runs: Results) -> None:
     # After a step the precomputed scales are the new weights'; loading the checkpoint back must recompute them (stale
     # scales from the step would quantize the loaded weights differently).

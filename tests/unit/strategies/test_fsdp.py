@@ -44,6 +44,7 @@ def assert_close_runs(ours: list[dict[str, Any]], reference: list[dict[str, Any]
             torch.testing.assert_close(value, b["weights"][key], rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", list(STRUCTURE))
 def test_trainer_matches_ddp_and_shards_parameters(run: tuple[Results, Path], variant: str) -> None:
     results, _ = run
@@ -59,6 +60,7 @@ def test_trainer_matches_ddp_and_shards_parameters(run: tuple[Results, Path], va
     assert results["ddp"][0]["local_fraction"] == 1.0
 
 
+@pytest.mark.launch
 def test_fsdp1_sync_module_states_gives_every_rank_rank_0s_weights(run: tuple[Results, Path]) -> None:
     """fsdp1_options starts rank 1 from other weights; with sync_module_states, rank 0's are on every rank.
 
@@ -75,6 +77,7 @@ def test_fsdp1_sync_module_states_gives_every_rank_rank_0s_weights(run: tuple[Re
             assert torch.equal(rank["weights_at_train_start"][key], value), key
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", TRAINER_VARIANTS)
 def test_accumulation_matches_ddp(run: tuple[Results, Path], variant: str) -> None:
     results, _ = run
@@ -83,6 +86,7 @@ def test_accumulation_matches_ddp(run: tuple[Results, Path], variant: str) -> No
     assert results["ddp_accum"][0]["losses"][3:] != results["ddp"][0]["losses"][3:]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["fsdp2_resume", "fsdp1_resume"])
 def test_save_and_resume_continues_exactly(run: tuple[Results, Path], variant: str) -> None:
     results, _ = run
@@ -93,6 +97,7 @@ def test_save_and_resume_continues_exactly(run: tuple[Results, Path], variant: s
     assert_close_runs(ours, results["ddp"], last=6)
 
 
+@pytest.mark.launch
 def test_checkpoint_formats_on_disk(run: tuple[Results, Path]) -> None:
     _, out = run
     sharded, full = out / "fsdp2_resume.ckpt", out / "fsdp1_resume.ckpt"
@@ -106,6 +111,7 @@ def test_checkpoint_formats_on_disk(run: tuple[Results, Path]) -> None:
     assert checkpoint["state_dict"]["net.0.weight"].shape == (64, 16)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", ["fsdp2_resume.ckpt", "fsdp1_resume.ckpt", "fabric_fsdp2.ckpt"])
 def test_full_state_dict_loads_into_a_plain_module(run: tuple[Results, Path], name: str) -> None:
     results, out = run
@@ -131,6 +137,7 @@ def test_load_full_state_dict_errors(tmp_path: Path) -> None:
         load_full_state_dict(tmp_path / "c.ckpt", key="model")
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", ["fabric_fsdp2", "fabric_fsdp1"])
 def test_fabric_matches_ddp_and_round_trips_checkpoints(run: tuple[Results, Path], variant: str) -> None:
     results, _ = run

@@ -53,6 +53,7 @@ def test_registered_in_both_registries() -> None:
     assert entry.name == "acc_megatron_lm" and entry_for("megatron_lm") is entry
 
 
+@pytest.mark.launch
 def test_importing_the_package_does_not_import_megatron() -> None:
     code = (
         "import sys, lightning_accel; "
@@ -147,6 +148,7 @@ def test_an_accelerate_config_file_builds_it(tmp_path: Path) -> None:
         trainer_kwargs(config=path, environ={})
 
 
+@pytest.mark.launch
 @needs_megatron
 def test_lightning_accel_launch_runs_a_megatron_config_on_two_cpu_processes(tmp_path: Path, runs: Results) -> None:
     config = tmp_path / "megatron.yaml"
@@ -271,6 +273,7 @@ def assert_matches(result: dict[str, Any], reference: dict[str, Any]) -> None:
         torch.testing.assert_close(result["weights"][name], weight, rtol=0, atol=ATOL, msg=name)
 
 
+@pytest.mark.launch
 @needs_megatron
 @pytest.mark.parametrize("variant", ["tp2", "fabric_tp2", "fabric_tp2_clip_gradients", "dp2", "accelerator_tp2"])
 def test_two_cpu_processes_match_one(runs: Results, variant: str) -> None:
@@ -279,6 +282,7 @@ def test_two_cpu_processes_match_one(runs: Results, variant: str) -> None:
         assert_matches(result, runs["tp1"][0])
 
 
+@pytest.mark.launch
 @needs_megatron
 @pytest.mark.parametrize("variant", ["tp2_resumed", "dp2_from_tp2"])
 def test_a_tp2_checkpoint_resumes_at_tp2_and_at_tp1(runs: Results, variant: str) -> None:
@@ -288,6 +292,7 @@ def test_a_tp2_checkpoint_resumes_at_tp2_and_at_tp1(runs: Results, variant: str)
         assert_matches(result, runs["tp1_resumed"][0])
 
 
+@pytest.mark.launch
 @needs_megatron
 def test_tp2_checkpoint_holds_whole_weights_and_optimizer_state(runs: Results, runs_dir: Path) -> None:
     tp2, tp1 = (
@@ -303,6 +308,7 @@ def test_tp2_checkpoint_holds_whole_weights_and_optimizer_state(runs: Results, r
         torch.testing.assert_close(ours[index]["momentum_buffer"], state["momentum_buffer"], rtol=0, atol=ATOL)
 
 
+@pytest.mark.launch
 @needs_megatron
 def test_fabric_save_at_tp2_holds_whole_weights_and_load_restores_the_shards(runs: Results, runs_dir: Path) -> None:
     saved = torch.load(runs_dir / "fabric_tp2.ckpt", weights_only=False)
@@ -321,6 +327,7 @@ def test_fabric_save_at_tp2_holds_whole_weights_and_load_restores_the_shards(run
         assert len(result["momentum_diffs"]) > 0 and max(result["momentum_diffs"]) == 0
 
 
+@pytest.mark.launch
 @needs_megatron
 def test_clipping_acts_so_the_tp2_match_covers_the_global_norm(runs: Results) -> None:
     # tp1 clips every step: without clipping the weights end elsewhere, so tp2 matching tp1 needs the unsharded norm.
@@ -328,6 +335,7 @@ def test_clipping_acts_so_the_tp2_match_covers_the_global_norm(runs: Results) ->
     assert max(float((clipped[name] - unclipped[name]).abs().max()) for name in clipped) > 1e-2
 
 
+@pytest.mark.launch
 @needs_megatron
 def test_parallel_state_sampler_and_shards(runs: Results) -> None:
     for variant in ("tp2", "fabric_tp2", "accelerator_tp2"):
@@ -343,6 +351,7 @@ def test_parallel_state_sampler_and_shards(runs: Results) -> None:
         assert result["qkv_shape"] == (48, 16)
 
 
+@pytest.mark.launch
 @needs_megatron
 def test_accelerator_prepared_loader_gives_tensor_parallel_peers_the_same_batches(runs: Results) -> None:
     first, second = (result["prepared_batches"] for result in runs["accelerator_tp2"])
@@ -352,6 +361,7 @@ def test_accelerator_prepared_loader_gives_tensor_parallel_peers_the_same_batche
 # --- on a CUDA device ---
 
 
+@pytest.mark.launch
 @pytest.mark.gpu
 @needs_megatron
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

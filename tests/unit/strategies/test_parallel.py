@@ -24,7 +24,7 @@ from lightning_accel.utils import (
     ParallelismConfig,
     load_full_state_dict,
 )
-from tests.helpers import load_rank_results, torchrun
+from tests.helpers import ACCELERATE_CONFIGS, load_rank_results, torchrun
 
 Results = dict[str, list[dict[str, Any]]]
 ATOL = 1e-5
@@ -54,6 +54,7 @@ def assert_matches_reference(ours: list[dict[str, Any]], reference: dict[str, An
             torch.testing.assert_close(value, reference["weights"][key], rtol=0, atol=ATOL, msg=f"rank {rank} {key}")
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(("variant", "steps"), [("tp", 16), ("tp_resume", 8), ("fabric_tp", 16), ("replicate", 8)])
 def test_two_processes_match_one(two: tuple[Results, Path], variant: str, steps: int) -> None:
     results, _ = two
@@ -61,6 +62,7 @@ def test_two_processes_match_one(two: tuple[Results, Path], variant: str, steps:
     assert_matches_reference(results[variant], results[f"reference_{variant.removesuffix('_resume')}"][0])
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(
     ("variant", "steps"),
     [("dp_shard_tp", 8), ("dp_shard_tp_resume", 4), ("fabric_dp_shard_tp", 8), ("hsdp", 4)],
@@ -71,6 +73,7 @@ def test_four_processes_match_one(four: tuple[Results, Path], variant: str, step
     assert_matches_reference(results[variant], results[f"reference_{variant.removesuffix('_resume')}"][0])
 
 
+@pytest.mark.launch
 def test_tp_mesh_ranks_and_placements(two: tuple[Results, Path]) -> None:
     results, _ = two
     for variant in ("tp", "tp_resume", "fabric_tp"):
@@ -89,6 +92,7 @@ def test_tp_mesh_ranks_and_placements(two: tuple[Results, Path]) -> None:
         assert result["distributed_type"] == "DistributedType.MULTI_CPU"
 
 
+@pytest.mark.launch
 def test_dp_shard_tp_mesh_ranks_and_placements(four: tuple[Results, Path]) -> None:
     results, _ = four
     for variant in ("dp_shard_tp", "dp_shard_tp_resume", "fabric_dp_shard_tp"):
@@ -107,6 +111,7 @@ def test_dp_shard_tp_mesh_ranks_and_placements(four: tuple[Results, Path]) -> No
         assert result["sampler"] == {"num_replicas": 4, "rank": rank}
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("layout", ["two", "four"])
 def test_sharded_checkpoints_resume_exactly(layout: str, request: pytest.FixtureRequest) -> None:
     results, out = request.getfixturevalue(layout)
@@ -132,6 +137,7 @@ def test_fabric_checkpoint_round_trip(layout: str, variant: str, request: pytest
             assert torch.equal(value, result["reloaded_weights"][key]), key
 
 
+@pytest.mark.launch
 def test_checkpoints_load_into_a_plain_module(two: tuple[Results, Path]) -> None:
     """The sharded Trainer directory and the full Fabric file both hold the full weights of the plain MLP."""
     from tests.scripts.parallel_parity import MLP
@@ -152,6 +158,7 @@ def test_checkpoints_load_into_a_plain_module(two: tuple[Results, Path]) -> None
             assert torch.equal(v, result["reloaded_weights"][k]), k
 
 
+@pytest.mark.launch
 def test_tensor_parallel_without_a_plan_is_refused(two: tuple[Results, Path]) -> None:
     results, _ = two
     for result in results["missing_plan"]:
@@ -221,7 +228,7 @@ def test_ranks_are_zero_before_the_mesh_exists() -> None:
     assert strategy.fsdp_plugin.fsdp_version == 2
 
 
-FILES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FILES = ACCELERATE_CONFIGS
 
 
 def test_config_file_section_becomes_a_parallelism_config() -> None:

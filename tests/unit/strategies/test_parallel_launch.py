@@ -23,9 +23,9 @@ from lightning_accel.config import load_config
 from lightning_accel.strategies import AcceleratedParallelStrategy, FabricAcceleratedParallelStrategy
 from lightning_accel.strategies.arguments import strategy_from_env
 from lightning_accel.utils.environment import accelerator_kwargs, env_from_settings, parallelism_config_from_env
-from tests.helpers import SCRIPTS, run_python
+from tests.helpers import ACCELERATE_CONFIGS, SCRIPTS, run_python
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 ATOL = 1e-5
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend", "sp_backend")
 
@@ -40,6 +40,7 @@ def sizes(config: Any) -> tuple[Any, ...]:
     return tuple(getattr(config, name) for name in SIZES)
 
 
+@pytest.mark.launch
 def test_launch_trains_tensor_parallel_from_a_config_file_like_one_process(tmp_path: Path) -> None:
     config = write_config(
         tmp_path,

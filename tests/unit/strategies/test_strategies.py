@@ -51,6 +51,7 @@ MISSING_EXTENSIONS = {
 TRAINER_FLAGS = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 
 
+@pytest.mark.launch
 def test_import_registers_every_name_in_both_registries_and_loads_no_optional_backend() -> None:
     code = (
         "import json, sys, lightning_accel\n"
@@ -217,6 +218,7 @@ def _fit_one_process(strategy: str) -> _Tiny:
     return module
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")
 def test_acc_no_trains_exactly_like_lightning_single_device() -> None:
     ours, theirs = _fit_one_process("acc_no"), _fit_one_process("single_device")
     assert len(ours.losses) == 8

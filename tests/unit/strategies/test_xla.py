@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -25,8 +24,9 @@ import lightning_accel
 from lightning_accel import trainer_kwargs
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies import strategy_for
+from tests.helpers import ACCELERATE_CONFIGS
 
-FIXTURES = Path(__file__).parent / "fixtures" / "accelerate_configs"
+FIXTURES = ACCELERATE_CONFIGS
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_xla = pytest.mark.skipif(not HAS_XLA, reason="torch_xla is not installed (tests/xla_stage.sh installs it)")
 STEPS, BATCH, LR = 4, 8, 0.1

@@ -32,13 +32,6 @@ from tests.scripts import tracking_parity
 from tests.tracking_readers import comet_offline_experiment, mlflow_runs, wandb_offline_run
 
 
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
-
-
 def _tracker_env(root: Path) -> dict[str, str]:
     """wandb offline and MLflow on a file store, everything under ``root``."""
     return {
@@ -176,6 +169,7 @@ def test_wandb_project_comes_from_init_trackers() -> None:
 # ---- mlflow --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")
 def test_mlflow_file_store_run_records_params_metrics_and_tags(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True, log_with="mlflow")
     accelerator.init_trackers(
@@ -254,6 +248,7 @@ def test_same_wandb_and_mlflow_records_as_hf_accelerate(tmp_path: Path, monkeypa
     assert ours_run["metrics"] == hf_run["metrics"] == {"loss": [(1, 0.5), (2, 0.25), (0, 0.125)], "acc": [(1, 0.75)]}
 
 
+@pytest.mark.launch
 def test_only_the_main_process_creates_runs(tmp_path: Path) -> None:
     # The script also checks that no process imports wandb/mlflow before init_trackers, nor ever on rank 1.
     launch = [
@@ -397,6 +392,7 @@ def test_missing_package_names_the_install_command(name: str, install: str, monk
         tracker.start()
 
 
+@pytest.mark.launch
 def test_comet_offline_experiment_matches_hf_accelerate(tmp_path: Path) -> None:
     run_python([str(SCRIPTS / "tracking_comet.py"), str(tmp_path)], timeout=240, COMET_DISABLE_AUTO_LOGGING="1")
     ours, hf = comet_offline_experiment(tmp_path / "ours"), comet_offline_experiment(tmp_path / "hf")

@@ -7,7 +7,6 @@ Each test skips when its package is missing; CI installs them all (the ``test`` 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 from lightning_accel import Accelerator
-from lightning_accel.state import reset_state
 from lightning_accel.tracking import (
     LOGGER_TYPE_TO_CLASS,
     AimTracker,
@@ -40,13 +38,6 @@ NEW = ("aim", "clearml", "dvclive", "swanlab", "trackio")
 CONFIG = {"lr": 0.1, "epochs": 2, "optimizer": "sgd"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the script logged one run per installed tracker, HF's and ours."""
@@ -65,6 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.launch
 def test_aim_repository_holds_the_same_run_as_hf(runs: Path) -> None:
     pytest.importorskip("aim")
     ours, hf = (aim_run(runs / "aim" / framework, image_names=("img",)) for framework in ("ours", "hf"))
@@ -77,6 +69,7 @@ def test_aim_repository_holds_the_same_run_as_hf(runs: Path) -> None:
     }
 
 
+@pytest.mark.launch
 def test_clearml_offline_session_matches_hf(runs: Path) -> None:
     pytest.importorskip("clearml")
     ours, hf = (clearml_offline_task(Path((runs / "clearml" / name).read_text())) for name in ("ours", "hf"))
@@ -90,6 +83,7 @@ def test_clearml_offline_session_matches_hf(runs: Path) -> None:
     assert ours["images"] == [("img", "eval", 1)]
 
 
+@pytest.mark.launch
 def test_dvclive_files_match_hf(runs: Path) -> None:
     pytest.importorskip("dvclive")
     ours, hf = (dvclive_records(runs / "dvclive" / name) for name in ("ours", "hf"))
@@ -101,6 +95,7 @@ def test_dvclive_files_match_hf(runs: Path) -> None:
     }
 
 
+@pytest.mark.launch
 def test_swanlab_offline_run_matches_hf(runs: Path) -> None:
     pytest.importorskip("swanlab")
     ours, hf = (swanlab_offline_run(runs / "swanlab" / name) for name in ("ours", "hf"))
@@ -118,6 +113,7 @@ def test_swanlab_offline_run_matches_hf(runs: Path) -> None:
     }
 
 
+@pytest.mark.launch
 def test_trackio_database_matches_hf(runs: Path) -> None:
     pytest.importorskip("trackio")
     ours, hf = (trackio_run(runs / "trackio", "parity", name) for name in ("ours", "hf"))

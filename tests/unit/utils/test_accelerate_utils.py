@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import random
 from collections import namedtuple
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -36,13 +35,6 @@ from lightning_accel.utils import (
 )
 
 Pair = namedtuple("Pair", ["a", "b"])
-
-
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 def test_recursively_apply_keeps_structure() -> None:

@@ -10,7 +10,6 @@ import base64
 import json
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,14 +20,6 @@ import torch
 from torch import nn
 
 from lightning_accel import utils as ours
-from lightning_accel.state import reset_state
-
-
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 def _shape(module: nn.Module) -> list[tuple[str, str]]:

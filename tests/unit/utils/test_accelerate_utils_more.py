@@ -35,14 +35,6 @@ import lightning_accel.utils.environment as our_environment
 import lightning_accel.utils.operations as our_operations
 import lightning_accel.utils.other as our_other
 from lightning_accel import utils as ours
-from lightning_accel.state import reset_state
-
-
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 @pytest.fixture

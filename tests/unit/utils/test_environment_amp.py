@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -14,7 +14,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_accel.config import AutocastKwargs
 from lightning_accel.enums import DistributedType
-from lightning_accel.state import AcceleratorState, reset_state
+from lightning_accel.state import AcceleratorState
 from lightning_accel.utils import (
     clear_environment,
     get_grad_scaler,
@@ -22,13 +22,6 @@ from lightning_accel.utils import (
     patch_environment,
     purge_accelerate_environment,
 )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_state() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 def _environment_after(patch: Callable[..., AbstractContextManager[Any]]) -> tuple[dict[str, str], dict[str, str]]:
@@ -78,6 +71,7 @@ def test_purge_accelerate_environment_on_a_function(monkeypatch: pytest.MonkeyPa
     assert os.environ["ACCELERATE_LA_TEST_EXISTING"] == "kept"
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")
 def test_purge_accelerate_environment_on_a_class_and_its_subclasses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
 

@@ -72,6 +72,7 @@ def _assert_weights(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tenso
         assert torch.equal(mine[key], theirs[key]), key
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", HF_WROTE)
 def test_save_writes_hf_files(run: tuple[Path, dict[str, Any]], variant: str, tmp_path: Path) -> None:
     root = run[0] / variant
@@ -87,6 +88,7 @@ def test_save_writes_hf_files(run: tuple[Path, dict[str, Any]], variant: str, tm
             _assert_same(_contents(root / "ours" / name, tmp_path), _contents(root / "hf" / name, tmp_path), name)
 
 
+@pytest.mark.launch
 def test_file_names_are_accelerates(run: tuple[Path, dict[str, Any]]) -> None:
     def listing(variant: str) -> list[str]:
         return sorted(p.name for p in (run[0] / variant / "ours").iterdir())
@@ -102,12 +104,14 @@ def test_file_names_are_accelerates(run: tuple[Path, dict[str, Any]]) -> None:
     assert listing("fsdp1_local") == ["optimizer_0", "pytorch_model_fsdp_rank0.bin", "pytorch_model_fsdp_rank1.bin"]
 
 
+@pytest.mark.launch
 def test_fsdp1_full_state_dict_is_the_gathered_model(run: tuple[Path, dict[str, Any]]) -> None:
     """Where HF's FSDP1 full save fails on CPU, ours writes the gathered weights (by their plain names)."""
     saved = torch.load(run[0] / "fsdp1_full" / "ours" / "pytorch_model_fsdp.bin", weights_only=True)
     _assert_weights(saved, run[1]["fsdp1_full"][0]["saved"])
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", CHECKPOINTS)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_loading_restores_the_model_and_training_continues(
@@ -126,6 +130,7 @@ def test_loading_restores_the_model_and_training_continues(
             _assert_weights(result[f"{label}_continued"], result["continued"])  # the optimizer state came back
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", PREPARED)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_fsdp2_prepare_model_shards_as_hf(run: tuple[Path, dict[str, Any]], name: str, rank: int) -> None:
@@ -141,11 +146,13 @@ def test_fsdp2_prepare_model_shards_as_hf(run: tuple[Path, dict[str, Any]], name
     assert mine["units"]["final_norm"] is False and mine["units"]["head"] is False  # the tail keeps its weights
 
 
+@pytest.mark.launch
 def test_transformer_policy_wraps_each_block(run: tuple[Path, dict[str, Any]]) -> None:
     units = run[1]["prepare_transformer_based_wrap_False"][0]["ours"]["units"]
     assert sorted(units) == ["", "blocks.0", "blocks.1", "blocks.2", "embed", "final_norm", "head"]
 
 
+@pytest.mark.launch
 def test_size_policy_skips_containers_hf_fails_on(run: tuple[Path, dict[str, Any]]) -> None:
     result = run[1]["prepare_size_based_wrap_60"][0]
     assert "does not support containers" in result["hf"]["error"]
@@ -153,12 +160,14 @@ def test_size_policy_skips_containers_hf_fails_on(run: tuple[Path, dict[str, Any
     assert {"blocks.0", "blocks.0.fc", "embed"} <= set(result["ours"]["units"])
 
 
+@pytest.mark.launch
 def test_apply_ac_wraps_as_hf(run: tuple[Path, dict[str, Any]]) -> None:
     result = run[1]["apply_ac"][0]
     assert result["ours"] == result["hf"]
     assert "CheckpointWrapper:blocks.0" in result["ours"]
 
 
+@pytest.mark.launch
 def test_merge_fsdp_weights_matches_hf(run: tuple[Path, dict[str, Any]]) -> None:
     from safetensors.torch import load_file
 
@@ -169,6 +178,7 @@ def test_merge_fsdp_weights_matches_hf(run: tuple[Path, dict[str, Any]]) -> None
 # ---- single-process helpers ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")
 def test_ram_efficient_loading_switches_set_hf_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     for preset in ({}, {"ACCELERATE_USE_FSDP": "false"}):
         seen = []
