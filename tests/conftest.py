@@ -2,13 +2,15 @@
 
 Tiers: every test under ``tests/launch/`` carries the ``launch`` marker (it starts processes: ``torch.distributed.run``,
 spawned workers, a Python subprocess, the CLI launching); a test elsewhere that starts processes is marked
-``@pytest.mark.launch`` where it is defined. ``pytest -m "not launch"`` runs the unit tier alone.
+``@pytest.mark.launch`` where it is defined. ``pytest -m "not launch"`` runs the unit tier alone, on 2 pytest-xdist
+workers (whole files per worker) unless ``-n`` is given (``-n 0``: in this process).
 
 After each test, in this order: the Accelerator states of HF accelerate and lightning_accel are forgotten, a default
-process group the test left behind is destroyed and the test fails, and an ``os.environ`` the test changed is
-restored and the test fails, naming the variables. A test whose library calls change them by design (Lightning's
-``seed_everything`` sets ``PL_GLOBAL_SEED``, DeepSpeed's setup ``RANK`` and a process group) says so with
-``@pytest.mark.usefixtures("undo_library_side_effects")``.
+process group the test started and left behind is destroyed and the test fails, and an ``os.environ`` the test changed
+is restored and the test fails, naming the variables. A test whose library calls change them by design (Lightning's
+``seed_everything`` sets ``PL_GLOBAL_SEED``, DeepSpeed's setup ``RANK``) says so with
+``@pytest.mark.usefixtures("undo_library_side_effects")``; one that starts DeepSpeed, whose group lives as long as the
+process, with ``process_wide_group``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,22 @@ from pathlib import Path
 import pytest
 
 _LAUNCH_FOLDER = Path(__file__).parent / "launch"
+_UNIT_TIER = ("not launch",)
 _PYTEST_OWN = "PYTEST_CURRENT_TEST"  # pytest sets it for each phase of a test
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Run ``-m "not launch"`` on 2 xdist workers, a file to a worker, if pytest-xdist is there and ``-n`` is not."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or hasattr(config, "workerinput"):
+        return  # a worker: only the controller starts workers
+    if os.environ.get("PYTEST_XDIST_WORKER") or hasattr(config, "workerinput"):
+        return  # a worker must not start workers of its own (that recursion was a fork bomb)
+    if config.option.markexpr.replace("'", '"') not in _UNIT_TIER or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if config.option.numprocesses is None and not config.option.collectonly:
+        config.option.numprocesses = 2
+        config.option.dist = "loadfile"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -44,10 +61,9 @@ def _reset_accelerator_states() -> None:
 
 def _destroyed_process_group() -> bool:
     """Destroy the default process group if one is left; whether there was one."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if not _process_group_initialized():
         return False
-    dist.destroy_process_group()
+    sys.modules["torch.distributed"].destroy_process_group()
     return True
 
 
@@ -65,22 +81,36 @@ def _restored_environment(before: dict[str, str]) -> list[str]:
 
 @pytest.fixture
 def undo_library_side_effects() -> Iterator[None]:
-    """Restore ``os.environ`` and destroy the default process group after a test whose library calls set them."""
+    """Restore ``os.environ`` after a test whose library calls set variables by design (``seed_everything``, ...)."""
     environment = dict(os.environ)
     yield
-    _destroyed_process_group()
     _restored_environment(environment)
+
+
+@pytest.fixture
+def process_wide_group() -> None:
+    """The test starts DeepSpeed, whose communication state keeps the default process group for the process's life.
+
+    The group is not destroyed after the test: DeepSpeed's cached groups would point at a destroyed one in the next.
+    """
+
+
+def _process_group_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 @pytest.fixture(autouse=True)
 def test_hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fresh Accelerator states around the test; fail it if it leaves a process group or a changed environment."""
     environment = dict(os.environ)
+    group_before = _process_group_initialized()
     _reset_accelerator_states()
     yield
     _reset_accelerator_states()
     problems = []
-    if _destroyed_process_group():
+    keeps_group = "process_wide_group" in request.fixturenames
+    if not group_before and not keeps_group and _destroyed_process_group():
         problems.append("left the default process group initialized (destroyed now)")
     changed = _restored_environment(environment)
     if changed:

@@ -94,6 +94,7 @@ def test_the_bf16_reference_differs_from_fp32() -> None:
     assert all(not torch.equal(a, b) for a, b in zip(fp32, bf16, strict=True))
 
 
+@pytest.mark.usefixtures("process_wide_group")
 def test_plain_backward_is_refused_where_the_engine_runs_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -119,6 +120,7 @@ def _plain_sgd_step_clipped_at_one() -> list[torch.Tensor]:
     return _copies(iter(net.parameters()))
 
 
+@pytest.mark.usefixtures("process_wide_group")
 def test_a_second_deepspeed_run_in_the_same_process_after_end_training(monkeypatch: pytest.MonkeyPatch) -> None:
     """end_training releases DeepSpeed's cached process groups too (stale ones broke the next engine's setup).
 

@@ -148,7 +148,7 @@ def test_dummies_without_deepspeed_are_refused() -> None:
         accelerator.prepare(DummyScheduler(optimizer))
 
 
-@pytest.mark.usefixtures("undo_library_side_effects")
+@pytest.mark.usefixtures("undo_library_side_effects", "process_wide_group")
 def test_config_optimizer_and_warmup_train_one_process() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))

@@ -84,7 +84,7 @@ def test_init_process_group_kwargs_reach_deepspeed(cls: type) -> None:
         cls(DeepSpeedPlugin(zero_stage=2), init_kwargs=handler, process_group_backend="mpi")
 
 
-@pytest.mark.usefixtures("undo_library_side_effects")
+@pytest.mark.usefixtures("undo_library_side_effects", "process_wide_group")
 def test_the_accelerator_passes_init_process_group_kwargs_to_deepspeed() -> None:
     pytest.importorskip("deepspeed")
     reset_accelerator_states()

@@ -127,6 +127,7 @@ def test_sharded_checkpoints_resume_exactly(layout: str, request: pytest.Fixture
 
 
 @pytest.mark.parametrize(("layout", "variant"), [("two", "fabric_tp"), ("four", "fabric_dp_shard_tp")])
+@pytest.mark.launch
 def test_fabric_checkpoint_round_trip(layout: str, variant: str, request: pytest.FixtureRequest) -> None:
     results, out = request.getfixturevalue(layout)
     assert (out / f"{variant}.ckpt" / "meta.pt").is_file()
