@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ("pytester",)  # tests/unit/test_conftest.py runs this file's checks on small test files
+
 _LAUNCH_FOLDER = Path(__file__).parent / "launch"
 _UNIT_TIER = ("not launch",)
 _PYTEST_OWN = "PYTEST_CURRENT_TEST"  # pytest sets it for each phase of a test
