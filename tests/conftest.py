@@ -33,8 +33,6 @@ _PYTEST_OWN = "PYTEST_CURRENT_TEST"  # pytest sets it for each phase of a test
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Run ``-m "not launch"`` on 2 xdist workers, a file to a worker, if pytest-xdist is there and ``-n`` is not."""
     if os.environ.get("PYTEST_XDIST_WORKER") or hasattr(config, "workerinput"):
-        return  # a worker: only the controller starts workers
-    if os.environ.get("PYTEST_XDIST_WORKER") or hasattr(config, "workerinput"):
         return  # a worker must not start workers of its own (that recursion was a fork bomb)
     if config.option.markexpr.replace("'", '"') not in _UNIT_TIER or not config.pluginmanager.hasplugin("xdist"):
         return
