@@ -101,6 +101,7 @@ def test_the_reference_calls_depend_on_the_training(results: Results) -> None:
     assert not torch.allclose(rank0, rank1)  # the ranks predict different halves of the data
 
 
+@pytest.mark.usefixtures("undo_library_side_effects")  # seed_everything sets PL_GLOBAL_SEED
 def test_acc_no_gives_the_single_device_numbers() -> None:
     ours, reference = run_variant("acc_no", devices=1), run_variant("auto", devices=1)
     for sequence in SEQUENCES:
