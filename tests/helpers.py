@@ -12,6 +12,7 @@ from typing import Any
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
+ACCELERATE_CONFIGS = Path(__file__).parent / "fixtures" / "accelerate_configs"
 
 # Variables that a launcher (torchrun, SLURM, an earlier test) may leave behind and that would make Lightning believe
 # it runs inside an existing distributed job.

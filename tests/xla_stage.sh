@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The XLA stage: a second virtual environment pinned to torch 2.9.0 + torch-xla 2.9.0 (PJRT's CPU runtime), then
-# tests/test_xla.py on one PJRT CPU device against plain PyTorch. Usage: bash tests/xla_stage.sh (from anywhere).
+# tests/unit/strategies/test_xla.py on one PJRT CPU device against plain PyTorch. Usage: bash tests/xla_stage.sh (from anywhere).
 # .ci/run runs it after the main suite. The first run downloads about 3 GB (PyPI's torch 2.9.0 wheel brings the CUDA
 # libraries) and took 4 to 9 minutes on a 2-core machine (227 s idle, 550 s while other jobs loaded it); later runs
 # reuse .venv-xla and take about a minute.
@@ -12,4 +12,4 @@ if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import torch_xla" 2
   "$VENV/bin/pip" install -q "torch==2.9.0" "torch-xla==2.9.0"
   "$VENV/bin/pip" install -q "lightning>=2.5,<2.7" pytest -e .
 fi
-PJRT_DEVICE=CPU timeout 600 "$VENV/bin/python" -m pytest -p no:cacheprovider tests/test_xla.py -q
+PJRT_DEVICE=CPU timeout 600 "$VENV/bin/python" -m pytest -p no:cacheprovider tests/unit/strategies/test_xla.py -q

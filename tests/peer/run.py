@@ -44,7 +44,7 @@ VERSION = "1.15.0"
 SIDES = ("hf", "ours")
 # Run on neither side: ClearML's exit handler waits for its offline repository scan and report flush, which held HF
 # accelerate's side for its whole time limit in CI (our ClearMLTracker is compared with HF's in
-# tests/test_accelerator_trackers_more.py, with repository detection off).
+# tests/unit/tracking/test_trackers_more.py, with repository detection off).
 DESELECTED = ("ClearMLTest",)  # test classes, matched as pytest -k keywords
 
 

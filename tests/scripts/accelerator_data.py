@@ -5,7 +5,7 @@ below and each framework it prepares a model, an optimizer and a loader whose sa
 then records per epoch the indices of every batch this process got, the ``end_of_dataloader`` flags, the remainder at
 the last batch and ``len(loader)``; where every process gets as many batches it also trains (weights after two
 epochs) and evaluates with ``gather_for_metrics``. Each rank writes ``{framework}_rank{r}.pt`` (case -> record) for
-``tests/test_accelerator_data.py``.
+``tests/unit/accelerator/test_data.py``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ FSDP1 and FSDP2 against DDP's:
   returned engine's ``save_checkpoint``, ``get_global_grad_norm``, ``config``, one more step and ``load_checkpoint``,
   and ``get_state_dict``/``unwrap_model``/``save_state``/``load_state`` on the engine.
 
-Each rank writes ``{framework}_{phase}_rank{r}.pt`` for ``tests/test_accelerator_engine_ddp.py``.
+Each rank writes ``{framework}_{phase}_rank{r}.pt`` for ``tests/unit/accelerator/test_engine_ddp.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The shim on 2 CPU processes: the same accumulation loop under DDP (MULTI_CPU) and FSDP2, one launch.
 
-Each rank writes ``fsdp_rank{r}.pt`` with both runs' full weights, for ``tests/test_accelerator_fsdp.py``.
+Each rank writes ``fsdp_rank{r}.pt`` with both runs' full weights, for ``tests/launch/test_accelerator_fsdp.py``.
 """
 
 from __future__ import annotations

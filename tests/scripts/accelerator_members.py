@@ -1,7 +1,7 @@
 """Two CPU processes: LocalSGD, profile traces, tensor parallelism and prepare_pippy, ours next to HF accelerate's.
 
 Launched under ``torch.distributed.run`` with 2 processes. Each phase writes ``{phase}_rank{r}.pt`` for
-``tests/test_accelerator_parallel.py``:
+``tests/launch/test_accelerator_parallel.py``:
 
 - ``local_sgd``: DDP, then LocalSGD with ``local_sgd_steps`` 1 and 3, for lightning_accel and HF accelerate (weights);
 - ``profile``: the trace files each framework's ``profile()`` wrote;

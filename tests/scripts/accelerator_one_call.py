@@ -12,8 +12,8 @@ cannot shard on CPU) and under lightning_accel, in one launch:
 - ``--mode env`` (under ``lightning-accel launch --config_file ...``): lightning_accel's plain ``Accelerator()``, set up
   by the launcher's environment; HF accelerate's reference run does not see the launcher's FSDP variables.
 
-Each rank writes ``one_call_rank{r}.pt`` into ``--out`` for ``tests/test_accelerator_one_call.py`` and
-``tests/test_cli_launch_one_call.py``: per variant, the losses, the final learning rates, the full weights (main
+Each rank writes ``one_call_rank{r}.pt`` into ``--out`` for ``tests/launch/test_accelerator_one_call.py`` and
+``tests/launch/test_cli_launch_one_call.py``: per variant, the losses, the final learning rates, the full weights (main
 process) and what the prepared optimizer holds; per error case, the message.
 """
 

@@ -1,6 +1,6 @@
 """The Accelerator's collectives and sync control on 2 CPU processes (run under ``torch.distributed.run``).
 
-Each rank writes ``ops_rank{r}.pt`` with what it observed, for ``tests/test_accelerator_distributed.py``.
+Each rank writes ``ops_rank{r}.pt`` with what it observed, for ``tests/launch/test_accelerator_distributed.py``.
 """
 
 from __future__ import annotations

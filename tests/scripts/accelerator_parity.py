@@ -3,7 +3,8 @@
 Launched once, with plain ``python`` (1 process) or under ``torch.distributed.run`` (2 CPU processes). Each variant
 trains with the seedable sampler, gradient accumulation 2, SGD + StepLR, evaluates with ``gather_for_metrics`` and
 saves automatically named checkpoints with ``total_limit=2``. Each rank then writes ``{variant}_rank{r}.pt`` for
-``tests/test_accelerator_parity.py``. A last phase resumes lightning_accel from HF accelerate's checkpoint and from its
+``tests/parity/test_accelerator_parity.py``. A last phase resumes lightning_accel from HF accelerate's checkpoint and
+from its
 own, and HF accelerate loads lightning_accel's. The ``stateful`` phase saves mid-epoch with
 ``use_stateful_dataloader=True`` (two loaders), resumes in a fresh ``Accelerator`` and records the batches and weights
 against an uninterrupted run, for both frameworks (lightning_accel also mid-epoch 1 and from HF's checkpoint).

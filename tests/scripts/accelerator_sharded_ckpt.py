@@ -6,7 +6,8 @@ micro-batches per process (accumulation 2, AdamW, StepLR, seedable sampler), sav
 Where HF accelerate's own ``save_fsdp_model``/``save_fsdp_optimizer`` run on CPU, they also write the saved state, run
 B loads it back through HF's ``load_fsdp_model`` first (HF reads ours) and then resumes from a copy of the checkpoint
 whose model and optimizer files are HF's (we read HF's). Each rank writes ``{variant}_rank{r}.pt`` for
-``tests/test_accelerator_sharded_ckpt.py``, which also reads the folders under ``--out/{variant}``: ``checkpoint``,
+``tests/unit/checkpoint/test_accelerator_sharded_ckpt.py``, which also reads the folders under ``--out/{variant}``:
+``checkpoint``,
 ``hf`` (HF's files), ``ours_with_hf_files`` and ``model`` (``save_model``).
 
 A last phase checks Accelerate's DeepSpeed rules against DDP (``deepspeed_rules_rank{r}.pt``): with large gradients,

@@ -3,7 +3,7 @@
 Run under ``torch.distributed.run`` with 2 processes: ``--strategy`` names the strategy (``acc_multi_cpu``, ...).
 Every scenario trains the same seeded model (with dropout, a step-interval LR scheduler, gradient accumulation and
 a seedable shuffled dataloader); each rank saves ``{scenario}_rank{r}.pt`` with what it saw and its final weights,
-for ``tests/test_callbacks_distributed.py`` to compare.
+for ``tests/launch/test_callbacks_distributed.py`` to compare.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Launched under ``torch.distributed.run`` (2 CPU processes, ``ACCELERATE_USE_CPU=true`` so HF's state is multi-CPU).
 For each framework and case it records what the case observes; each rank writes ``{framework}_rank{r}.pt``
-(case -> record) for ``tests/test_clients_fixes.py``, which wants the records of both frameworks equal.
+(case -> record) for ``tests/launch/test_clients_fixes.py``, which wants the records of both frameworks equal.
 
 - ``reset``: the process questions of an ``AcceleratorState`` after ``AcceleratorState._reset_state()``.
 - ``own_folders``: ``save_state`` into a different folder on each process with a stateful loader, then

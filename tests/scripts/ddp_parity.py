@@ -1,7 +1,7 @@
 """Train the same seeded model under Lightning's ``ddp`` and lightning_accel's DDP strategies (Trainer and Fabric).
 
 Run under ``torch.distributed.run`` with 2 processes; each rank saves ``{variant}_rank{r}.pt`` holding its per-step
-losses, the final weights and facts about the strategy, for ``tests/test_ddp_parity.py`` to compare.
+losses, the final weights and facts about the strategy, for ``tests/parity/test_ddp_parity.py`` to compare.
 """
 
 from __future__ import annotations

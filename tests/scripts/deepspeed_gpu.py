@@ -1,7 +1,7 @@
 """One CUDA device: lightning_accel's DeepSpeed stages against Lightning's ``ddp``, and resuming from a checkpoint.
 
 Runs in one process (no launcher); saves ``{variant}.pt`` with the losses and final weights for
-``tests/test_deepspeed.py::test_one_gpu_stages_match_ddp_and_resume``.
+``tests/unit/strategies/test_deepspeed.py::test_one_gpu_stages_match_ddp_and_resume``.
 """
 
 from __future__ import annotations

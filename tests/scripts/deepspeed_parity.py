@@ -1,7 +1,8 @@
 """Train the same seeded model under Lightning's ``ddp`` and lightning_accel's DeepSpeed strategies (Trainer, Fabric).
 
 Run under ``torch.distributed.run`` with 2 processes; each rank saves ``{variant}_rank{r}.pt`` with its per-step
-losses, the final (gathered) weights and facts about the engine, for ``tests/test_deepspeed.py`` to compare. Every
+losses, the final (gathered) weights and facts about the engine, for ``tests/unit/strategies/test_deepspeed.py`` to
+compare. Every
 DeepSpeed run also writes a checkpoint at the end of its first epoch; the ``*_resume`` variants continue from it.
 """
 

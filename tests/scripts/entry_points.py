@@ -3,7 +3,7 @@
 Run under ``torch.distributed.run`` with 2 processes (or imported by an in-process test with one device). Each variant
 drives one or two Trainers through a sequence of ``fit``, ``validate``, ``test`` and ``predict`` calls and records
 what each call gave: the full weights after a ``fit``, the metrics ``validate``/``test`` returned, this rank's
-predictions. Each rank saves ``{variant}_rank{r}.pt`` for ``tests/test_entry_points.py`` to compare with ``ddp``.
+predictions. Each rank saves ``{variant}_rank{r}.pt`` for ``tests/launch/test_entry_points.py`` to compare with ``ddp``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Run under ``torch.distributed.run``; each rank saves ``{variant}_rank{r}.pt``. fp8 is refused on CPU by every
 strategy; this script lifts that one gate with :class:`CPUFP8Precision` (the check only: the strategies, the torchao
 conversion and the float8 matmuls are the real ones, torch 2.13 runs ``_scaled_mm`` on CPU), as
-``tests/scripts/deepspeed_fp8.py`` runs the real engine on CPU. ``tests/test_fp8_strategies.py`` runs ``acc_no`` in
+``tests/scripts/deepspeed_fp8.py`` runs the real engine on CPU. ``tests/unit/strategies/test_fp8_strategies.py`` runs
+``acc_no`` in
 its own process with the same pieces.
 """
 

@@ -6,7 +6,7 @@ wrapped and trained one AdamW step; ``save_fsdp_model``/``save_fsdp_optimizer`` 
 library's ``load_fsdp_model``/``load_fsdp_optimizer`` (ours reads HF's, HF reads ours) and trains one more step.
 Then ``fsdp2_prepare_model`` (transformer-based, size-based and no wrapping; with ``cpu_ram_efficient_loading``),
 ``fsdp2_apply_ac``, ``model_has_dtensor`` and ``merge_fsdp_weights`` run on both sides. Each rank saves
-``{name}_rank{r}.pt`` for ``tests/test_fsdp_utils.py``.
+``{name}_rank{r}.pt`` for ``tests/unit/utils/test_fsdp_utils.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ tokens, 2 CPU processes, 8 optimizer steps of 2 accumulated micro-batches, check
 
 Scenarios (reference: Lightning's ``ddp`` on the same program, in the same invocation):
 
-- ``numpy-1.26-import``: ``tests/test_numpy_versions.py`` in the litgpt environment (``import lightning_accel``,
+- ``numpy-1.26-import``: ``tests/unit/test_numpy_versions.py`` in the litgpt environment (``import lightning_accel``,
   checkpoint RNG states) passes under numpy 1.26.
 - ``pretrain-acc_ddp``: per-step losses and final weights equal ddp's bit for bit.
 - ``pretrain-acc_fsdp``: ``acc_fsdp`` set up as litgpt sets up Lightning's FSDP (full checkpoints, a unit per
@@ -188,7 +188,7 @@ def compare_training(ours: Path, reference: Path, atol: float) -> tuple[bool, st
 
 
 def scenario_numpy() -> tuple[bool, str]:
-    cmd = [str(venv_python()), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_numpy_versions.py"]
+    cmd = [str(venv_python()), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_numpy_versions.py"]
     env = clean_env()
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
