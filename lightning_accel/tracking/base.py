@@ -107,13 +107,13 @@ class _RunTracker(GeneralTracker, abc.ABC):
 
     Args:
         run_name: The project name given to ``init_trackers``.
-        **init_kwargs: The tracker's ``init_kwargs`` entry, for the package's run constructor.
+        **kwargs: The tracker's ``init_kwargs`` entry, for the package's run constructor.
 
     """
 
-    def __init__(self, run_name: str | None, **init_kwargs: Any) -> None:
+    def __init__(self, run_name: str | None, **kwargs: Any) -> None:
         self.run_name = run_name
-        self.init_kwargs = init_kwargs
+        self.init_kwargs = kwargs
         self.run: Any = None
 
     @abc.abstractmethod
