@@ -87,6 +87,12 @@ RULES = [
     pytest.param(("strategies",), ("callbacks", "cli", *SHIM), id="strategies import no shim"),
     pytest.param(("callbacks",), ("cli", *SHIM), id="callbacks beside the shim"),
     pytest.param(("big_modeling", "hooks"), ("strategies", "callbacks", "cli", *SHIM), id="big models below"),
+    pytest.param(
+        ("checkpoint",),
+        ("precision", "big_modeling", "hooks", "strategies", "callbacks", "cli", *SHIM),
+        id="checkpoint just above utils",
+    ),
+    pytest.param(("utils", *PROCESS), ("checkpoint",), id="utils below checkpoint"),
 ]
 
 

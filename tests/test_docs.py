@@ -63,6 +63,8 @@ PUBLIC_MODULES = (
 # level whose name does not start with "_" must be in PUBLIC_MODULES.
 NOT_DOCUMENTED = {
     "lightning_accel.accelerator": "its one name, Accelerator, is documented at the top level, where users import it",
+    "lightning_accel.checkpoint": "the machinery behind Accelerate's checkpoint names, which are documented at"
+    " Accelerate's paths (lightning_accel.checkpointing, lightning_accel.utils) where users import them",
 }
 
 _DIRECTIVE = re.compile(r"^::: *(?P<path>[\w.]+) *$")

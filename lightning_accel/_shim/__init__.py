@@ -3,8 +3,8 @@
 - ``fabric``: picking the distributed type and building the Lightning ``Fabric`` for a run.
 - ``module``: the module ``prepare`` returns; ``engine_step``: engines that step inside ``backward`` (DeepSpeed).
 - ``process``: process information, decorators and triggers on the ``Accelerator``.
-- ``data_loaders``, ``data_sharding``, ``loader_control``, ``loader_checkpoint``: data-loader wrapping, sharding and
-  resumable positions.
+- ``data_loaders``, ``data_sharding``, ``loader_control``: data-loader wrapping, sharding and
+  resumable positions (recorded in checkpoints by :mod:`lightning_accel.checkpoint.loaders`).
 - ``checkpoint_control``, ``sharded_checkpoint``: ``save_state``/``load_state`` and the strategies' sharded files.
 
 Nothing outside the shim imports this package.
