@@ -5,7 +5,7 @@
 - ``process``: process information, decorators and triggers on the ``Accelerator``.
 - ``data_loaders``, ``data_sharding``, ``loader_control``: data-loader wrapping, sharding and
   resumable positions (recorded in checkpoints by :mod:`lightning_accel.checkpoint.loaders`).
-- ``checkpoint_control``, ``sharded_checkpoint``: ``save_state``/``load_state`` and the strategies' sharded files.
+- ``checkpoint_control``: ``save_state``/``load_state`` (the files are :mod:`lightning_accel.checkpoint`'s).
 
 Nothing outside the shim imports this package.
 """

@@ -3,7 +3,8 @@
 ``save_state``/``load_state`` gather the prepared and registered objects and pass them to the file functions of
 :mod:`lightning_accel.checkpoint.state_files` (the ones Accelerate's ``save_accelerator_state`` uses too), publish the
 folder with :mod:`lightning_accel.checkpoint.folders`, and let sharded engines (FSDP, DeepSpeed) write their models and
-optimizers through :mod:`lightning_accel._shim.sharded_checkpoint`.
+optimizers through :mod:`lightning_accel.checkpoint.engines` (the handler the strategy's ``checkpoint_engine()``
+returns).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_accel import checkpointing
 from lightning_accel._shim.module import AcceleratedModule
-from lightning_accel._shim.sharded_checkpoint import EngineCheckpoint, engine_checkpoint
 from lightning_accel.checkpoint import state_files
+from lightning_accel.checkpoint.engines import EngineCheckpoint, engine_checkpoint
 from lightning_accel.checkpoint.folders import (
     SaveTarget,
     numbered_checkpoints,

@@ -30,8 +30,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accel.checkpoint.engines import EngineCheckpoint, FSDPCheckpoint
 from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.precision.fp8 import refresh_float8_scales
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter, checkpoint_value, load_target_error
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
@@ -325,6 +327,10 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, FabricAcceleratedDDPStrat
     @precision.setter
     def precision(self, precision: FabricPrecision | None) -> None:
         _FABRIC_DDP_PRECISION.fset(self, _fp16_on_cpu_as_bf16(precision, self.accelerator))  # type: ignore[misc]
+
+    def checkpoint_engine(self) -> EngineCheckpoint | None:
+        """FSDP writes ``save_state``'s models and optimizers (sharded or gathered, by the plugin's type)."""
+        return FSDPCheckpoint(str(self.fsdp_plugin.state_dict_type), after_load=refresh_float8_scales)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
