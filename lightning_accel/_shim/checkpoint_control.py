@@ -19,7 +19,6 @@ from lightning.fabric import Fabric
 from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
 
-from lightning_accel import checkpointing
 from lightning_accel._shim.module import AcceleratedModule
 from lightning_accel.checkpoint import state_files
 from lightning_accel.checkpoint.engines import EngineCheckpoint, engine_checkpoint
@@ -33,6 +32,8 @@ from lightning_accel.checkpoint.folders import (
 )
 from lightning_accel.checkpoint.loaders import loader_positions, save_loader_states
 from lightning_accel.checkpoint.node_copies import complete_on_each_node
+from lightning_accel.checkpointing import accelerate_sampler, save_custom_state, shard_state_dict
+from lightning_accel.checkpointing import save_model as write_model_files
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
 from lightning_accel.utils.lightning_internals import fabric_forward_module
@@ -82,7 +83,7 @@ def _is_positive_size(size: object) -> bool:
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         return False
     try:
-        checkpointing.shard_state_dict({}, "{suffix}", size)  # parses the size exactly as the writer will
+        shard_state_dict({}, "{suffix}", size)  # parses the size exactly as the writer will
     except ValueError:
         return False
     return size > 0 if isinstance(size, int) else float(size.strip()[:-2]) > 0
@@ -204,7 +205,7 @@ class CheckpointControl:
         state = self.get_state_dict(model)  # collective under sharded engines
 
         def write() -> None:
-            checkpointing.save_model(
+            write_model_files(
                 state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
             )
 
@@ -278,10 +279,10 @@ class CheckpointControl:
                 self._dataloaders,
                 self.scaler,
                 safe_serialization,
-                checkpointing.accelerate_sampler,
+                accelerate_sampler,
             )
             for i, obj in enumerate(self._custom_objects):
-                checkpointing.save_custom_state(obj, folder, i, save_on_each_node)
+                save_custom_state(obj, folder, i, save_on_each_node)
         self._write_process_states(folder)
         self.wait_for_everyone()
         self.project_configuration.iteration += 1
@@ -389,7 +390,7 @@ class CheckpointControl:
 
     def _load_process_states(self, source: Path, load_kwargs: dict[str, Any]) -> None:
         """Restore this process's random states, its loaders' positions and stateful states, and the step counter."""
-        state_files.load_samplers(self._dataloaders, source, checkpointing.accelerate_sampler)
+        state_files.load_samplers(self._dataloaders, source, accelerate_sampler)
         hint = " (was the run saved by fewer processes?)"
         states = state_files.load_process_states(source, self.process_index, self._dataloaders, hint, **load_kwargs)
         if states is not None:
