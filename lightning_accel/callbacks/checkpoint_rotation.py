@@ -240,7 +240,7 @@ class CheckpointRotation(ModelCheckpoint):
         self.project_config.iteration = index + 1
         self._write(trainer, target.temporary)
         self._on_managers(trainer, lambda: publish(target))
-        self._on_managers(trainer, lambda: rotate(self._directory, self.project_config.total_limit, folders_only=False))
+        self._on_managers(trainer, self._rotate)
         self._record(trainer, str(final))
         return str(final)
 
@@ -253,6 +253,9 @@ class CheckpointRotation(ModelCheckpoint):
         trainer.strategy.barrier("CheckpointRotation.write_node_copies")
         if self.project_config.save_on_each_node:  # a sharded folder: each node gets the shards it lacks
             complete_on_each_node(temporary, node_manager=trainer.local_rank == 0, what="CheckpointRotation")
+
+    def _rotate(self) -> None:
+        rotate(self._directory, self.project_config.total_limit, folders_only=False)
 
     def _record(self, trainer: pl.Trainer, path: str) -> None:
         set_lightning_private(self, "_last_global_step_saved", trainer.global_step)
