@@ -1,7 +1,10 @@
 """The ``Accelerator``'s checkpoint surface: registered objects and hooks, state dicts, ``save_model``, ``save_state``.
 
-The files and their names are :mod:`lightning_accel.checkpointing`'s; sharded engines (FSDP, DeepSpeed) write theirs
-through :mod:`lightning_accel._shim.sharded_checkpoint`.
+``save_state``/``load_state`` gather the prepared and registered objects and pass them to the file functions of
+:mod:`lightning_accel.checkpoint.state_files` (the ones Accelerate's ``save_accelerator_state`` uses too), publish the
+folder with :mod:`lightning_accel.checkpoint.folders`, and let sharded engines (FSDP, DeepSpeed) write their models and
+optimizers through :mod:`lightning_accel.checkpoint.engines` (the handler the strategy's ``checkpoint_engine()``
+returns).
 """
 
 from __future__ import annotations
@@ -16,26 +19,35 @@ from lightning.fabric import Fabric
 from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
 
-from lightning_accel import checkpointing
-from lightning_accel._shim.checkpoint_publish import (
+from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel.checkpoint import state_files
+from lightning_accel.checkpoint.engines import EngineCheckpoint
+from lightning_accel.checkpoint.folders import (
     SaveTarget,
+    numbered_checkpoints,
     on_disk_managers,
     publish,
     remove_stale,
     rotate,
 )
-from lightning_accel._shim.module import AcceleratedModule
-from lightning_accel._shim.process_files import write_own_folder
-from lightning_accel.checkpointing import checkpoint_folders, choose_target, write_state
+from lightning_accel.checkpoint.loaders import loader_positions, save_loader_states
+from lightning_accel.checkpoint.node_copies import complete_on_each_node
+from lightning_accel.checkpointing import accelerate_sampler, save_custom_state, shard_state_dict
+from lightning_accel.checkpointing import save_model as write_model_files
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.state.shared_errors import raise_on_every_process, run_where
+from lightning_accel.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
 from lightning_accel.utils.modeling.offloaded import get_state_dict_offloaded_model, has_offloaded_params
-from lightning_accel.utils.node_copies import complete_on_each_node
 from lightning_accel.utils.other import extract_model_from_parallel, save
 
 if TYPE_CHECKING:
-    from lightning_accel.accelerator import Accelerator
+    import torch
+
+    from lightning_accel.data_loader import DataLoaderShard
+    from lightning_accel.enums import DistributedType
+    from lightning_accel.optimizer import AcceleratedOptimizer
+    from lightning_accel.scheduler import AcceleratedScheduler
 
 __all__ = ["CheckpointControl", "check_save_model_arguments"]
 
@@ -71,7 +83,7 @@ def _is_positive_size(size: object) -> bool:
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         return False
     try:
-        checkpointing.shard_state_dict({}, "{suffix}", size)  # parses the size exactly as the writer will
+        shard_state_dict({}, "{suffix}", size)  # parses the size exactly as the writer will
     except ValueError:
         return False
     return size > 0 if isinstance(size, int) else float(size.strip()[:-2]) > 0
@@ -82,18 +94,31 @@ class CheckpointControl:
 
     fabric: Fabric
     project_configuration: ProjectConfiguration
+    step: int
     _models: list[AcceleratedModule]
+    _optimizers: list[AcceleratedOptimizer]
+    _schedulers: list[AcceleratedScheduler]
+    _dataloaders: list[DataLoaderShard]
     _custom_objects: list[Any]
     _save_state_pre_hooks: OrderedDict[int, Callable[..., None]]
     _load_state_pre_hooks: OrderedDict[int, Callable[..., None]]
 
-    if TYPE_CHECKING:  # the Accelerator's, from ProcessControl
+    if TYPE_CHECKING:  # the Accelerator's, from ProcessControl and PrecisionMembers
 
         @property
         def is_main_process(self) -> bool: ...
 
         @property
         def is_local_main_process(self) -> bool: ...
+
+        @property
+        def process_index(self) -> int: ...
+
+        @property
+        def scaler(self) -> torch.amp.GradScaler | None: ...
+
+        @property
+        def distributed_type(self) -> DistributedType: ...
 
         def wait_for_everyone(self) -> None: ...
 
@@ -145,9 +170,7 @@ class CheckpointControl:
         """
         if not unwrap:
             return dict(self.fabric.strategy.get_module_state_dict(fabric_forward_module(model)))
-        from lightning_accel._shim.sharded_checkpoint import engine_checkpoint
-
-        engine = engine_checkpoint(self.fabric.strategy)
+        engine = self._strategy.checkpoint_engine()
         if engine is not None:
             return engine.full_state_dict(model, self._models)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -182,7 +205,7 @@ class CheckpointControl:
         state = self.get_state_dict(model)  # collective under sharded engines
 
         def write() -> None:
-            checkpointing.save_model(
+            write_model_files(
                 state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
             )
 
@@ -207,31 +230,96 @@ class CheckpointControl:
         Unlike Accelerate's, the save is atomic: the main process chooses the folder and tells the others, everyone
         writes into ``.<name>.incomplete`` beside it, and the folder gets its name once every process is done (on
         each node's disk with ``save_on_each_node``); old folders are rotated out only then. See
-        :mod:`lightning_accel._shim.checkpoint_publish`. With ``save_on_each_node`` on node-local disks, each node
+        :mod:`lightning_accel.checkpoint.folders`. With ``save_on_each_node`` on node-local disks, each node
         is first sent the files it lacks (other nodes' shards, the metadata written on the main process only), so
-        every node's folder is a whole checkpoint; see :mod:`lightning_accel.utils.node_copies`. A process that
+        every node's folder is a whole checkpoint; see :mod:`lightning_accel.checkpoint.node_copies`. A process that
         names another ``output_dir`` than the main process's also gets its own random states and loader states there,
-        as Accelerate writes them (see :mod:`lightning_accel._shim.process_files`).
+        as Accelerate has every process write them.
         """
         config = self.project_configuration
         chosen: list[Any] = [None, None]
         if self.is_main_process:
             try:
-                chosen[0] = choose_target(config, output_dir)
+                chosen[0] = state_files.choose_target(config, output_dir)
             except ValueError as err:
                 chosen[1] = err
         chosen = cast("list[Any]", self.fabric.broadcast(chosen, src=0))
         raise_on_every_process(chosen[1], "save_state")  # the broadcast already reached every process
         target = SaveTarget(Path(chosen[0]))
         self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
-        write_state(cast("Accelerator", self), target.temporary, safe_serialization, **save_model_func_kwargs)
+        self._write_state(target.temporary, safe_serialization, **save_model_func_kwargs)
         if config.save_on_each_node:  # node-local disks: each node gets the files (shards, metadata) it lacks
             complete_on_each_node(target.temporary, node_manager=self.is_local_main_process, what="save_state")
         self._on_disk_managers(lambda: publish(target), "save_state (publishing the checkpoint)")
-        write_own_folder(cast("Accelerator", self), output_dir, target.final)
+        self._write_own_folder(output_dir, target.final)
         if config.automatic_checkpoint_naming:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
         return str(target.final)
+
+    def _write_state(self, folder: Path, safe_serialization: bool, **engine_kwargs: Any) -> None:
+        """Write ``save_state``'s files into ``folder`` (chosen, then published, by the caller); collective."""
+        engine = self._engine(engine_kwargs)
+        folder.mkdir(parents=True, exist_ok=True)
+        if engine is not None:
+            engine.save(self._models, self._optimizers, folder, **engine_kwargs)
+            self.wait_for_everyone()
+        save_on_each_node = self.project_configuration.save_on_each_node
+        writer = self.is_local_main_process if save_on_each_node else self.is_main_process
+        if writer:
+            # The users' modules, without the strategy's wrapper; an engine saved its own (hooks get none).
+            weights = [model.state_dict() for model in self._models] if engine is None else []
+            user_models = [model.module for model in self._models]  # hooks see the users' modules, as Accelerate's
+            for hook in list(self._save_state_pre_hooks.values()):
+                hook(user_models, weights, str(folder))  # a hook may pop entries to save them its own way
+            state_files.write_shared_files(
+                folder,
+                weights,
+                self._optimizers if engine is None else [],
+                self._schedulers,
+                self._dataloaders,
+                self.scaler,
+                safe_serialization,
+                accelerate_sampler,
+            )
+            for i, obj in enumerate(self._custom_objects):
+                save_custom_state(obj, folder, i, save_on_each_node)
+        self._write_process_states(folder)
+        self.wait_for_everyone()
+        self.project_configuration.iteration += 1
+
+    def _write_process_states(self, folder: Path) -> None:
+        state_files.write_process_states(folder, self.process_index, self.step, loader_positions(self._dataloaders))
+
+    def _write_own_folder(self, requested: str | os.PathLike[str] | None, written: Path) -> None:
+        """Where this process named another folder than ``written`` (the main process's), put its own files there.
+
+        Its own files are its random states and the states of its stateful loaders (what Accelerate has every process
+        write); the shared files stay in ``written`` only, as Accelerate writes them on the main process only.
+        """
+        if requested is None or Path(requested).resolve() == written.resolve():
+            return
+        folder = Path(requested)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._write_process_states(folder)
+        save_loader_states(self._dataloaders, folder)
+
+    def _engine(self, engine_kwargs: dict[str, Any]) -> EngineCheckpoint | None:
+        """The handler of an engine that writes its own model files, checking the arguments meant for it.
+
+        Raises:
+            ValueError: On every process, before any barrier: for ``engine_kwargs`` without such an engine, or for
+                sharded (DTensor) weights that no handler writes.
+
+        """
+        engine = self._strategy.checkpoint_engine()
+        if engine is None:
+            if engine_kwargs:
+                raise ValueError(
+                    f"save_state/load_state got {sorted(engine_kwargs)}, keyword arguments for DeepSpeed's"
+                    f" save_checkpoint/load_checkpoint, but this run is {self.distributed_type}; drop them."
+                )
+            _refuse_sharded(list(self._models))
+        return engine
 
     def _on_disk_managers(self, action: Callable[[], None], what: str) -> None:
         other_node_manager = (
@@ -277,8 +365,36 @@ class CheckpointControl:
         """
         if missing_ok and not self._has_checkpoint(input_dir):
             return None
-        accelerator = cast("Accelerator", self)
-        return checkpointing.load_state(accelerator, input_dir, load_kwargs, **load_model_func_kwargs)
+        engine = self._engine(load_model_func_kwargs)
+        config = self.project_configuration
+        source = state_files.latest_source(config, input_dir)
+        models = list(self._models) if engine is None else []  # an engine loads its models itself
+        user_models = [model.module for model in models]
+        for hook in list(self._load_state_pre_hooks.values()):
+            hook(user_models, str(source))  # a hook may pop models to load them its own way
+        kept = {id(module) for module in user_models}
+        scaler = self.scaler
+        if scaler is not None and (source / "scaler.pt").is_file():
+            state_files.load_scaler(scaler, source)  # before optimizers, which FSDP2 may step
+        if engine is not None:
+            engine.load(self._models, self._optimizers, source, **load_model_func_kwargs)
+        for i, model in enumerate(m for m in models if id(m.module) in kept):
+            state_files.load_model_weights(model, source, i)
+        extra = dict(load_kwargs or {})
+        state_files.load_state_dicts(self._optimizers if engine is None else [], source, OPTIMIZER_NAME, **extra)
+        state_files.load_state_dicts(self._schedulers, source, SCHEDULER_NAME, **extra)
+        state_files.load_custom_objects(self._custom_objects, source)
+        self._load_process_states(source, extra)
+        config.iteration = state_files.next_iteration(config, source)
+        return str(source)
+
+    def _load_process_states(self, source: Path, load_kwargs: dict[str, Any]) -> None:
+        """Restore this process's random states, its loaders' positions and stateful states, and the step counter."""
+        state_files.load_samplers(self._dataloaders, source, accelerate_sampler)
+        hint = " (was the run saved by fewer processes?)"
+        states = state_files.load_process_states(source, self.process_index, self._dataloaders, hint, **load_kwargs)
+        if states is not None:
+            self.step = int(states.get("step", 0))
 
     def _has_checkpoint(self, input_dir: str | os.PathLike[str] | None) -> bool:
         config = self.project_configuration
@@ -286,4 +402,22 @@ class CheckpointControl:
             return Path(input_dir).is_dir()
         if not config.automatic_checkpoint_naming or config.project_dir is None:
             return True  # nothing to look for: load_state raises naming what is missing
-        return bool(checkpoint_folders(Path(config.project_dir) / "checkpoints"))
+        return bool(numbered_checkpoints(Path(config.project_dir) / "checkpoints"))
+
+
+def _refuse_sharded(models: list[AcceleratedModule]) -> None:
+    """Raise on every process (before any barrier) when a model has sharded (DTensor) parameters.
+
+    Raises:
+        ValueError: Naming the first sharded parameter and what to use instead.
+
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = [name for model in models for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"save_state cannot write the sharded (DTensor) weights of this strategy ({sharded[0]!r} is one); use"
+            " accelerator.save_model(model, directory), which gathers them, or train with FSDP, whose checkpoints"
+            " save_state writes."
+        )

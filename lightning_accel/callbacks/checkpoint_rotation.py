@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel.callbacks.rng import gather_rng_states, restore_rng_states, states_for_rank
+from lightning_accel.checkpoint.folders import (
+    SaveTarget,
+    numbered_checkpoints,
+    on_disk_managers,
+    publish,
+    remove_incomplete,
+    rotate,
+)
+from lightning_accel.checkpoint.node_copies import complete_on_each_node
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.config._validation import check_positive_int
 from lightning_accel.lightning_compat import (
@@ -31,13 +38,8 @@ from lightning_accel.lightning_compat import (
     set_last_checkpoint_saved,
     set_last_global_step_saved,
 )
-from lightning_accel.state.shared_errors import run_where
-from lightning_accel.utils.node_copies import complete_on_each_node
 
 __all__ = ["CheckpointRotation", "complete_checkpoints", "latest_checkpoint"]
-
-_COMPLETE = re.compile(r"^checkpoint_(\d+)$")
-_INCOMPLETE = re.compile(r"^\.checkpoint_(\d+)\.incomplete$")
 
 
 def _checkpoints_dir(project_dir: str | os.PathLike[str]) -> Path:
@@ -50,11 +52,7 @@ def complete_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
     A checkpoint being written has a temporary name (``.checkpoint_{i}.incomplete``) until it is complete, so it is
     never listed here.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    numbered = [(int(match[1]), entry) for entry in directory.iterdir() if (match := _COMPLETE.match(entry.name))]
-    return [entry for _, entry in sorted(numbered)]
+    return [entry for _, entry in numbered_checkpoints(directory, folders_only=False)]
 
 
 def latest_checkpoint(project_dir: str | os.PathLike[str]) -> str | None:
@@ -154,7 +152,7 @@ class CheckpointRotation(ModelCheckpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         set_fs(self, get_filesystem(self._directory))
         if stage == "fit":
-            self._on_managers(trainer, self._remove_incomplete)
+            self._on_managers(trainer, lambda: remove_incomplete(self._directory))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -235,8 +233,8 @@ class CheckpointRotation(ModelCheckpoint):
 
         """
         index = self.project_config.iteration
-        final = self._directory / f"checkpoint_{index}"
-        temporary = self._directory / f".checkpoint_{index}.incomplete"
+        target = SaveTarget(self._directory / f"checkpoint_{index}")
+        final = target.final
         if trainer.strategy.broadcast(final.exists(), src=0):
             raise ValueError(
                 f"{final} already exists. Resume with `trainer.fit(..., ckpt_path='last')` to continue its"
@@ -246,8 +244,8 @@ class CheckpointRotation(ModelCheckpoint):
         self._warn_if_mid_window(trainer)
         # Saved inside this checkpoint: a run resumed from it writes the next index.
         self.project_config.iteration = index + 1
-        self._write(trainer, temporary)
-        self._on_managers(trainer, lambda: _publish(temporary, final))
+        self._write(trainer, target.temporary)
+        self._on_managers(trainer, lambda: publish(target))
         self._on_managers(trainer, self._rotate)
         self._record(trainer, str(final))
         return str(final)
@@ -263,17 +261,7 @@ class CheckpointRotation(ModelCheckpoint):
             complete_on_each_node(temporary, node_manager=trainer.local_rank == 0, what="CheckpointRotation")
 
     def _rotate(self) -> None:
-        limit = self.project_config.total_limit
-        if limit is None:
-            return
-        for old in complete_checkpoints(self._directory)[:-limit]:
-            _remove(old)
-
-    def _remove_incomplete(self) -> None:
-        if self._directory.is_dir():
-            for entry in self._directory.iterdir():
-                if _INCOMPLETE.match(entry.name):
-                    _remove(entry)
+        rotate(self._directory, self.project_config.total_limit, folders_only=False)
 
     def _record(self, trainer: pl.Trainer, path: str) -> None:
         set_last_global_step_saved(self, trainer.global_step)
@@ -288,10 +276,13 @@ class CheckpointRotation(ModelCheckpoint):
 
         Collective; an error of the action is raised on every process, so none waits for the one that failed.
         """
-        run_where(trainer.is_global_zero, action, "CheckpointRotation", lambda: trainer.strategy.barrier("rotation"))
-        if self.project_config.save_on_each_node:
-            runs_here = self._is_other_node_manager(trainer)
-            run_where(runs_here, action, "CheckpointRotation", lambda: trainer.strategy.barrier("rotation_nodes"))
+        on_disk_managers(
+            action,
+            is_main=trainer.is_global_zero,
+            other_node_manager=self._is_other_node_manager(trainer),
+            what="CheckpointRotation",
+            barrier=lambda: trainer.strategy.barrier("rotation"),
+        )
 
     def _is_other_node_manager(self, trainer: pl.Trainer) -> bool:
         return self.project_config.save_on_each_node and trainer.local_rank == 0 and not trainer.is_global_zero
@@ -312,28 +303,6 @@ class CheckpointRotation(ModelCheckpoint):
             " not part of a checkpoint, so a run resumed from it will not repeat the original exactly. Save on a"
             " cadence that ends windows (every_n_train_steps, or every_n_epochs with sync_with_dataloader=True)."
         )
-
-
-def _publish(temporary: Path, final: Path) -> None:
-    if not temporary.exists():
-        return
-    os.rename(temporary, final)
-    _fsync_directory(final.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _remove(entry: Path) -> None:
-    if entry.is_dir() and not entry.is_symlink():
-        shutil.rmtree(entry)
-    else:
-        entry.unlink()
 
 
 def _check_project_config(project_config: object) -> None:

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint, EngineCheckpoint
 from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import (
@@ -520,6 +521,10 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
     def distributed_type(self) -> DistributedType:
         """Always ``DistributedType.DEEPSPEED``."""
         return DistributedType.DEEPSPEED
+
+    def checkpoint_engine(self) -> EngineCheckpoint | None:
+        """DeepSpeed writes ``save_state``'s models and optimizers itself (its tagged checkpoint folders)."""
+        return DeepSpeedCheckpoint()
 
     @override
     def _configure_launcher(self) -> None:

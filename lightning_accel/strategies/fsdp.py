@@ -26,6 +26,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accel.checkpoint.engines import EngineCheckpoint, FSDPCheckpoint
 from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import (
@@ -33,6 +34,7 @@ from lightning_accel.lightning_compat import (
     lightning_private_members,
     set_backward_sync_control,
 )
+from lightning_accel.precision.fp8 import refresh_float8_scales
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
@@ -243,6 +245,10 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
     @precision.setter
     def precision(self, precision: FabricPrecision | None) -> None:
         _FABRIC_DDP_PRECISION.fset(self, _fp16_on_cpu_as_bf16(precision, self.accelerator))  # type: ignore[misc]
+
+    def checkpoint_engine(self) -> EngineCheckpoint | None:
+        """FSDP writes ``save_state``'s models and optimizers (sharded or gathered, by the plugin's type)."""
+        return FSDPCheckpoint(str(self.fsdp_plugin.state_dict_type), after_load=refresh_float8_scales)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

@@ -20,6 +20,7 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accel.checkpoint.fsdp_policy import state_dict_options
 from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.compile import apply_dynamo
@@ -278,12 +279,7 @@ class FSDPFamily:
         return {**metadata, **shards}
 
     def _options(self, model: Module, full: bool | None) -> Any:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        full = self.full_state_dict if full is None else full
-        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-        # Gathering to CPU on a CPU-only run crashes FSDP1 (it offloads with rank0_only); there is nothing to offload.
-        return StateDictOptions(full_state_dict=full, cpu_offload=full and not on_cpu)
+        return state_dict_options(model, self.full_state_dict if full is None else full)
 
     def _offloads(self) -> bool:
         offload = self.plugin.cpu_offload

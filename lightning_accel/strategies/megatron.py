@@ -7,7 +7,7 @@ megatron-core layers (or :func:`~lightning_accel.strategies.megatron_gpt.gpt_mod
 the Trainer, or after ``fabric.launch()``. Data parallelism is ``DistributedDataParallel`` over megatron's
 data-parallel group, and gradients are clipped by ``MegatronLMPlugin.gradient_clipping`` using the norm of the whole
 (unsharded) gradient. Checkpoints hold whole tensors, whatever ``tp_degree`` wrote them
-(:mod:`~lightning_accel.strategies.megatron_checkpoint`). Pipeline, context, expert and sequence parallelism and
+(:mod:`~lightning_accel.checkpoint.megatron`). Pipeline, context, expert and sequence parallelism and
 megatron's distributed optimizer are refused with the setting that asks for them (see
 :func:`~lightning_accel.strategies.megatron_core.check_plugin`).
 """
@@ -29,16 +29,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
-from lightning_accel.config.megatron import MegatronLMPlugin
-from lightning_accel.enums import DistributedType
-from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.megatron_checkpoint import (
+from lightning_accel.checkpoint.megatron import (
     gather_model_state,
     gather_optimizer_state,
     split_model_state,
     split_optimizer_state,
 )
+from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from lightning_accel.config.megatron import MegatronLMPlugin
+from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.megatron_core import MegatronFamily, clip_grad_norm_across_tensor_parallel
 from lightning_accel.strategies.registry import StrategyEntry
 

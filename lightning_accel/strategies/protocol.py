@@ -18,6 +18,7 @@ from torch.nn import Module
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_accel.checkpoint.engines import EngineCheckpoint
     from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
     from lightning_accel.enums import DistributedType
 
@@ -92,8 +93,8 @@ class ShimStrategy(Protocol):
     def step_engine(self) -> StepEngine | None:
         """The engine that steps inside ``backward`` (``None`` without one, or before the model is set up)."""
 
-    def checkpoint_engine(self) -> object | None:
-        """The handler that writes the engine's own model and optimizer files (``EngineCheckpoint``), or ``None``."""
+    def checkpoint_engine(self) -> EngineCheckpoint | None:
+        """The handler that writes the engine's own model and optimizer files, or ``None``."""
 
     def data_parallel_shards(self) -> tuple[int, int] | None:
         """``(num_replicas, rank)`` of the data-parallel group, ``None`` to shard over every process."""
@@ -147,7 +148,7 @@ class ShimStrategyDefaults:
         """No engine steps inside ``backward``."""
         return None
 
-    def checkpoint_engine(self) -> object | None:
+    def checkpoint_engine(self) -> EngineCheckpoint | None:
         """No engine-specific checkpoint files: the shim saves the model and optimizers itself."""
         return None
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
+from lightning_accel.utils.checkpoint_reads import read_checkpoint_file, strip_prefix
+from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
+
+__all__ = ["METADATA_FILENAME", "is_sharded_checkpoint", "load_full_state_dict", "strip_prefix"]
 
 # A sharded checkpoint is a directory: torch.distributed.checkpoint shards plus this file with everything else.
 METADATA_FILENAME = "meta.pt"
@@ -41,8 +42,6 @@ def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_K
     """
     path = Path(path)
     if (path / "latest").is_file():  # a DeepSpeed checkpoint directory
-        from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
-
         return strip_prefix(consolidate_deepspeed_checkpoint(path), prefix)
     if is_sharded_checkpoint(path):
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -59,18 +58,3 @@ def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_K
             f"The checkpoint at {str(path)!r} has no {key!r} entry; pass `key=` (one of {sorted(checkpoint)})."
         )
     return strip_prefix(checkpoint[key], prefix)
-
-
-def strip_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
-    """Keep the entries whose key starts with ``prefix``, without it (all entries for an empty prefix).
-
-    Raises:
-        KeyError: If no key starts with ``prefix``.
-
-    """
-    if not prefix:
-        return dict(state)
-    selected = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    if not selected:
-        raise KeyError(f"No key of the checkpoint starts with prefix {prefix!r}; keys look like {next(iter(state))!r}.")
-    return selected

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
+from lightning_accel.utils.checkpoint_reads import read_checkpoint_file, strip_prefix
 from lightning_accel.utils.constants import WEIGHTS_NAME
 
 __all__ = ["consolidate_deepspeed_checkpoint"]
@@ -40,8 +40,6 @@ def consolidate_deepspeed_checkpoint(
         KeyError: If no key starts with ``prefix``.
 
     """
-    from lightning_accel.utils.checkpoint import strip_prefix
-
     return strip_prefix(_read_deepspeed_checkpoint(Path(path), tag), prefix)
 
 

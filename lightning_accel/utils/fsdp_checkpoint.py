@@ -184,6 +184,38 @@ def _dcp_dir(root: str | os.PathLike[str], name: str) -> Path:
     return Path(root) if Path(root).name == name else Path(root) / name
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where one model's or optimizer's state goes: Accelerate's names under ``root`` for ``stem`` and ``index``."""
+
+    root: str | os.PathLike[str]
+    stem: str  # pytorch_model_fsdp or optimizer
+    index: int
+    key: str  # the state's key in a torch.distributed.checkpoint directory
+    rank: int
+    use_dcp: bool
+
+
+def _write(state: Any, settings: _Settings, place: _Place, saved: str) -> None:
+    """Write ``state`` as Accelerate does: one gathered file from rank 0, a DCP directory, or a file per rank."""
+    from torch.distributed.fsdp import StateDictType
+
+    if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
+        if place.rank == 0:
+            path = os.path.join(place.root, _indexed(place.stem, place.index))
+            torch.save(state, path)
+            logger.info(f"{saved} {path}")
+    elif place.use_dcp:
+        import torch.distributed.checkpoint as dcp
+
+        directory = os.path.join(place.root, f"{place.stem}_{place.index}")
+        os.makedirs(directory, exist_ok=True)
+        dcp.save(state_dict={place.key: state}, storage_writer=dcp.FileSystemWriter(directory))
+        logger.info(f"{saved} {directory}")
+    else:
+        torch.save(state, os.path.join(place.root, f"{place.stem}_{place.index}_rank{place.rank}.bin"))
+
+
 def save_fsdp_model(
     fsdp_plugin: Any,
     accelerator: Any,
@@ -215,23 +247,12 @@ def save_fsdp_model(
     rank = accelerator.process_index
     with _state_dict_context(settings, module):
         state = _model_state(module, adapter_only, options)
-        if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
-            if rank == 0:
-                path = os.path.join(output_dir, _indexed(FSDP_MODEL_NAME, model_index))
-                torch.save(state, path)
-                logger.info(f"Model saved to {path}")
-        elif settings.state_dict_type == StateDictType.LOCAL_STATE_DICT:
+        if settings.state_dict_type == StateDictType.LOCAL_STATE_DICT:
             stem = FSDP_MODEL_NAME if model_index == 0 else f"{FSDP_MODEL_NAME}_{model_index}"
             torch.save(state, os.path.join(output_dir, f"{stem}_rank{rank}.bin"))
-        elif use_dcp:
-            import torch.distributed.checkpoint as dcp
-
-            directory = os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}")
-            os.makedirs(directory, exist_ok=True)
-            dcp.save(state_dict={"model": state}, storage_writer=dcp.FileSystemWriter(directory))
-            logger.info(f"Model saved to {directory}")
         else:
-            torch.save(state, os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}_rank{rank}.bin"))
+            place = _Place(output_dir, FSDP_MODEL_NAME, model_index, "model", rank, use_dcp)
+            _write(state, settings, place, "Model saved to")
 
 
 def load_fsdp_model(
@@ -318,8 +339,6 @@ def save_fsdp_optimizer(
     ``FULL_STATE_DICT``: ``optimizer.bin`` from process 0; otherwise ``optimizer_{i}/``
     (``torch.distributed.checkpoint``) or, with ``use_dcp=False``, ``optimizer_{i}_rank{r}.bin`` per process.
     """
-    from torch.distributed.fsdp import StateDictType
-
     settings, module, optimizer = _settings(fsdp_plugin), _module(model), _optimizer(optimizer)
     os.makedirs(output_dir, exist_ok=True)
     _no_offload_on_cpu(settings, module)
@@ -327,20 +346,8 @@ def save_fsdp_optimizer(
     rank = accelerator.process_index
     with _state_dict_context(settings, module):
         state = _optimizer_state(settings, module, optimizer, options)
-        if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
-            if rank == 0:
-                path = os.path.join(output_dir, _indexed(OPTIMIZER_NAME, optimizer_index))
-                torch.save(state, path)
-                logger.info(f"Optimizer state saved in {path}")
-        elif use_dcp:
-            import torch.distributed.checkpoint as dcp
-
-            directory = os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}")
-            os.makedirs(directory, exist_ok=True)
-            dcp.save(state_dict={"optimizer": state}, storage_writer=dcp.FileSystemWriter(directory))
-            logger.info(f"Optimizer state saved in {directory}")
-        else:
-            torch.save(state, os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}_rank{rank}.bin"))
+        place = _Place(output_dir, OPTIMIZER_NAME, optimizer_index, "optimizer", rank, use_dcp)
+        _write(state, settings, place, "Optimizer state saved in")
 
 
 def load_fsdp_optimizer(

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accel.utils import node_copies
-from lightning_accel.utils.node_copies import FileCopy, complete_on_each_node, list_files
+from lightning_accel.checkpoint import node_copies
+from lightning_accel.checkpoint.node_copies import FileCopy, complete_on_each_node, list_files
 
 CHUNK = 1000
 

@@ -230,10 +230,18 @@ def test_the_shim_internals_are_used_by_the_shim_only() -> None:
     assert outside == []
 
 
+# Checkpoint machinery still in utils/ (issue 22, open): it implements Accelerate's public utils functions
+# (save_fsdp_model, load_fsdp_model, ...; the offline readers), which utils/__init__ re-exports; in checkpoint/ that
+# re-export would be an import up a layer. The set may only shrink.
+UTILS_NOT_YET_PLACED = frozenset({"checkpoint", "checkpoint_reads", "deepspeed_checkpoint", "fsdp_checkpoint"})
+
+
 def test_utils_holds_accelerate_module_names_only() -> None:
     names = {path.stem if path.is_file() else path.name for path in (PACKAGE / "utils").iterdir()}
-    extra = sorted(name for name in names - ACCELERATE_UTILS_MODULES - {"__pycache__"})
+    extra = sorted(name for name in names - ACCELERATE_UTILS_MODULES - UTILS_NOT_YET_PLACED - {"__pycache__"})
     assert extra == [], f"not a module of accelerate.utils 1.15; move it next to its one user: {extra}"
+    placed = sorted(UTILS_NOT_YET_PLACED - names)
+    assert placed == [], f"{placed} left utils/: drop them from UTILS_NOT_YET_PLACED"
 
 
 def test_at_most_one_private_module_at_the_package_root() -> None:

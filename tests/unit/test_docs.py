@@ -66,6 +66,8 @@ NOT_DOCUMENTED = {
     "lightning_accel.lightning_compat": "internal: checked access to Lightning's private members, not a user API",
     "lightning_accel.launch_settings": "the launcher's machinery; its Accelerate names are documented at "
     "lightning_accel.utils.environment, which re-exports them",
+    "lightning_accel.checkpoint": "the machinery behind Accelerate's checkpoint names, which are documented at"
+    " Accelerate's paths (lightning_accel.checkpointing, lightning_accel.utils) where users import them",
 }
 
 _DIRECTIVE = re.compile(r"^::: *(?P<path>[\w.]+) *$")

@@ -221,27 +221,26 @@ def test_deepspeed_engine_gets_accelerates_config(run: tuple[Path, dict[str, lis
 
 
 def test_engine_is_chosen_by_the_strategy_class() -> None:
-    from lightning.fabric.strategies import SingleDeviceStrategy
-
-    from lightning_accel._shim.sharded_checkpoint import FSDPCheckpoint, engine_checkpoint
+    from lightning_accel.checkpoint.engines import FSDPCheckpoint
     from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
+    from lightning_accel.strategies.single_device import FabricAcceleratedSingleDeviceStrategy
     from lightning_accel.utils import FullyShardedDataParallelPlugin
 
-    assert engine_checkpoint(SingleDeviceStrategy(torch.device("cpu"))) is None
+    assert FabricAcceleratedSingleDeviceStrategy(torch.device("cpu")).checkpoint_engine() is None
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="FULL_STATE_DICT")
-    engine = engine_checkpoint(FabricAcceleratedFSDPStrategy(plugin))
+    engine = FabricAcceleratedFSDPStrategy(plugin).checkpoint_engine()
     assert isinstance(engine, FSDPCheckpoint) and engine.full
 
 
 def test_zero3_state_dict_needs_16bit_gathering() -> None:
-    from lightning_accel._shim.sharded_checkpoint import DeepSpeedCheckpoint
+    from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint
 
     with pytest.raises(ValueError, match=r"DeepSpeedPlugin\(zero3_save_16bit_model=True\)"):
         DeepSpeedCheckpoint().full_state_dict(_ZeRO3Engine(), [])
 
 
 def test_missing_files_raise_before_loading(tmp_path: Path) -> None:
-    from lightning_accel._shim.sharded_checkpoint import DeepSpeedCheckpoint, FSDPCheckpoint
+    from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint, FSDPCheckpoint
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(
@@ -253,7 +252,7 @@ def test_missing_files_raise_before_loading(tmp_path: Path) -> None:
 
 
 def test_fsdp_local_state_dict_and_deepspeed_options_are_refused(tmp_path: Path) -> None:
-    from lightning_accel._shim.sharded_checkpoint import FSDPCheckpoint
+    from lightning_accel.checkpoint.engines import FSDPCheckpoint
 
     with pytest.raises(ValueError, match=r"state_dict_type='LOCAL_STATE_DICT'.*SHARDED_STATE_DICT"):
         FSDPCheckpoint("LOCAL_STATE_DICT").save([], [], tmp_path)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_accel.utils.node_copies import FileCopy, complete_on_each_node, list_files, plan_copies
+from lightning_accel.checkpoint.node_copies import FileCopy, complete_on_each_node, list_files, plan_copies
 from tests.helpers import load_rank_results, torchrun
 
 

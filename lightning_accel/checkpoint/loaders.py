@@ -22,15 +22,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from lightning_accel.data_loader.loaders import DataLoaderShard
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import RNG_STATE_NAME
 
-__all__ = ["loader_positions", "restore_loaders", "save_loader_states", "state_file_name"]
+__all__ = ["ResumableLoader", "loader_positions", "restore_loaders", "save_loader_states", "state_file_name"]
 
 _EPOCHS = "dataloader_iterations"
 _POSITIONS = "dataloader_positions"  # batches of that epoch already handed out
@@ -39,19 +38,41 @@ _LENGTHS = "dataloader_lengths"  # batches per epoch on each process, when saved
 _NUM_PROCESSES = "num_processes"  # processes of the run that saved
 
 
+class ResumableLoader(Protocol):
+    """What a checkpoint reads and sets on a prepared data loader (the shim's ``DataLoaderShard``)."""
+
+    use_stateful_dataloader: bool
+    iteration: int  # the epoch of the next iteration
+    position: int  # batches of the current epoch already handed out
+    resume_position: int  # batches the next iteration skips
+    resume_rng_states: dict[str, Any] | None  # random states to set once those are skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stateful loader's state (with ``use_stateful_dataloader``)."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the stateful loader from ``state_dict``."""
+        ...
+
+    def __len__(self) -> int:
+        """Batches per epoch on this process (``TypeError`` without a length)."""
+        ...
+
+
 def state_file_name(index: int) -> str:
     """Accelerate's file name for the state of the ``index``-th prepared loader."""
     return "dl_state_dict.bin" if index == 0 else f"dl_state_dict_{index}.bin"
 
 
-def save_loader_states(loaders: Sequence[DataLoaderShard], target: Path) -> None:
+def save_loader_states(loaders: Sequence[ResumableLoader], target: Path) -> None:
     """Write the state of every stateful loader as ``dl_state_dict{_i}.bin`` into ``target`` (one process calls it)."""
     for index, loader in enumerate(loaders):
         if loader.use_stateful_dataloader:
             torch.save(loader.state_dict(), target / state_file_name(index))
 
 
-def loader_positions(loaders: Sequence[DataLoaderShard]) -> dict[str, Any]:
+def loader_positions(loaders: Sequence[ResumableLoader]) -> dict[str, Any]:
     """Our keys of ``random_states_{rank}.pkl``: each loader's epoch, position and length, and the process count."""
     return {
         _EPOCHS: [loader.iteration for loader in loaders],
@@ -61,7 +82,7 @@ def loader_positions(loaders: Sequence[DataLoaderShard]) -> dict[str, Any]:
     }
 
 
-def _length(loader: DataLoaderShard) -> int | None:
+def _length(loader: ResumableLoader) -> int | None:
     try:
         return len(loader)
     except TypeError:  # an iterable dataset without a length
@@ -69,7 +90,7 @@ def _length(loader: DataLoaderShard) -> int | None:
 
 
 def restore_loaders(
-    loaders: Sequence[DataLoaderShard],
+    loaders: Sequence[ResumableLoader],
     source: Path,
     rng_states: Mapping[str, Any] | None,
     read: Callable[[Path], Any],
@@ -123,7 +144,7 @@ def _first_process_record(source: Path, read: Callable[[Path], Any]) -> tuple[Ma
     return (read(file) if file.is_file() else {}), file
 
 
-def _checked_position(index: int, loader: DataLoaderShard, position: int, saved_length: int | None, file: Path) -> int:
+def _checked_position(index: int, loader: ResumableLoader, position: int, saved_length: int | None, file: Path) -> int:
     """The position to resume ``loader`` at: ``position`` if it belongs to this loader.
 
     Raises:

@@ -162,14 +162,7 @@ def _send(folder: Path, copy: FileCopy, chunk_bytes: int, device: torch.device) 
         error = err
     try:
         for length in _chunks(copy.size, chunk_bytes):
-            data = b""
-            if error is None and handle is not None:
-                try:
-                    data = handle.read(length)
-                except OSError as err:
-                    error = err
-                if error is None and len(data) != length:
-                    error = RuntimeError(f"{folder / copy.path} shrank while it was sent to the other nodes.")
+            data, error = _read_chunk(folder / copy.path, handle, length, error)
             buffer = torch.zeros(length, dtype=torch.uint8) if error is not None else _bytes_tensor(data)
             buffer = buffer.to(device)
             for destination in copy.destinations:
@@ -185,6 +178,21 @@ def _send(folder: Path, copy: FileCopy, chunk_bytes: int, device: torch.device) 
     for destination in copy.destinations:
         dist.send(status, dst=destination)  # a receiver keeps the file only if it arrived whole
     return error
+
+
+def _read_chunk(
+    path: Path, handle: BinaryIO | None, length: int, error: BaseException | None
+) -> tuple[bytes, BaseException | None]:
+    """The next ``length`` bytes of ``path`` and the error so far (nothing is read once there is one)."""
+    if error is not None or handle is None:
+        return b"", error
+    try:
+        data = handle.read(length)
+    except OSError as err:
+        return b"", err
+    if len(data) != length:
+        return data, RuntimeError(f"{path} shrank while it was sent to the other nodes.")
+    return data, None
 
 
 def _has_more(handle: BinaryIO) -> bool:

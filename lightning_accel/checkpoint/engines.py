@@ -1,8 +1,9 @@
 """Models and optimizers of sharded engines (FSDP, DeepSpeed) in ``save_state`` folders, with Accelerate 1.15's names.
 
 These engines write the weights and optimizer state themselves; :mod:`lightning_accel.checkpointing` writes the rest
-(schedulers, scaler, random states, registered objects) as for any run. :func:`engine_checkpoint` picks the handler
-from the Fabric strategy's class, so nothing branches on the distributed type.
+(schedulers, scaler, random states, registered objects) as for any run. Each Fabric strategy whose engine writes its
+own files answers ``checkpoint_engine()`` (a member of the shim's strategy protocol) with its handler, so nothing
+branches on the distributed type or the strategy class.
 
 FSDP, by ``FullyShardedDataParallelPlugin.state_dict_type`` (model ``i``, optimizer ``i``):
 
@@ -26,17 +27,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accel.checkpoint.fsdp_policy import state_dict_options
 from lightning_accel.lightning_compat import fabric_forward_module, get_original_module
-from lightning_accel.precision.fp8 import refresh_float8_scales
-from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, MODEL_NAME, OPTIMIZER_NAME
 
-__all__ = ["DeepSpeedCheckpoint", "EngineCheckpoint", "FSDPCheckpoint", "engine_checkpoint", "engine_module"]
+__all__ = [
+    "DeepSpeedCheckpoint",
+    "EngineCheckpoint",
+    "FSDPCheckpoint",
+    "engine_module",
+]
 
 
 def _indexed(stem: str, index: int, suffix: str = "") -> str:
@@ -113,12 +117,15 @@ class FSDPCheckpoint(EngineCheckpoint):
     Args:
         state_dict_type: ``"SHARDED_STATE_DICT"`` or ``"FULL_STATE_DICT"``: what ``save`` writes. FSDP1's
             ``LOCAL_STATE_DICT`` (per-process flat shards) makes ``save`` and ``load`` raise ``ValueError``.
+        after_load: Called with each module once its weights are loaded (the strategy's: e.g. refreshing fp8
+            scales precomputed for the weights before the load).
 
     """
 
-    def __init__(self, state_dict_type: str) -> None:
+    def __init__(self, state_dict_type: str, after_load: Callable[[Module], None] | None = None) -> None:
         self.state_dict_type = state_dict_type
         self.full = state_dict_type == "FULL_STATE_DICT"
+        self.after_load = after_load
 
     def _check(self, options: dict[str, Any]) -> None:
         _refuse_options("FSDP", options)
@@ -136,12 +143,12 @@ class FSDPCheckpoint(EngineCheckpoint):
 
         modules = [engine_module(m) for m in models]
         for i, module in enumerate(modules):
-            state = get_model_state_dict(module, options=_options(module, self.full))
+            state = get_model_state_dict(module, options=state_dict_options(module, self.full))
             self._write(state, "model", *_fsdp_paths(target, i, "model"))
         for i, optimizer in enumerate(optimizers):
             raw = _torch_optimizer(optimizer)
             module = _owner(modules, raw)
-            optimizer_state = get_optimizer_state_dict(module, raw, options=_options(module, self.full))
+            optimizer_state = get_optimizer_state_dict(module, raw, options=state_dict_options(module, self.full))
             self._write(optimizer_state, "optimizer", *_fsdp_paths(target, i, "optimizer"))
 
     def _write(self, state: dict[str, Any], key: str, sharded: Path, full: Path) -> None:
@@ -168,7 +175,8 @@ class FSDPCheckpoint(EngineCheckpoint):
         for module, paths in zip(modules, model_paths, strict=True):
             state, options = _read(*paths, "model", partial(_model_shards, module))
             set_model_state_dict(module, state, options=options)
-            refresh_float8_scales(module)  # scales precomputed for the weights before the load are stale
+            if self.after_load is not None:
+                self.after_load(module)
         for optimizer, paths in zip(optimizers, optimizer_paths, strict=True):
             raw = _torch_optimizer(optimizer)
             module = _owner(modules, raw)
@@ -180,7 +188,7 @@ class FSDPCheckpoint(EngineCheckpoint):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         module = engine_module(model, prepared)
-        state = get_model_state_dict(module, options=_options(module, full=True))
+        state = get_model_state_dict(module, options=state_dict_options(module, full=True))
         return dict(state) if _is_main_process() else {}
 
 
@@ -212,27 +220,13 @@ def _read(sharded: Path, full: Path, key: str, layout: Callable[[], dict[str, An
 def _model_shards(module: Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(module, options=_options(module, full=False))
+    return get_model_state_dict(module, options=state_dict_options(module, full=False))
 
 
 def _optimizer_shards(module: Module, optimizer: Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return dict(get_optimizer_state_dict(module, optimizer, options=_options(module, full=False)))
-
-
-def _options(module: Module, full: bool) -> Any:
-    """State-dict options: gathered to the main process's CPU if ``full``, else this process's shards.
-
-    FSDP1 cannot gather to CPU when it already trains on CPU (it crashes), so there every process gathers.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    fsdp1_on_cpu = isinstance(module, FullyShardedDataParallel) and all(
-        p.device.type == "cpu" for p in module.parameters()
-    )
-    return StateDictOptions(full_state_dict=full, cpu_offload=full and not fsdp1_on_cpu)
+    return dict(get_optimizer_state_dict(module, optimizer, options=state_dict_options(module, full=False)))
 
 
 def _owner(modules: Sequence[Module], optimizer: Optimizer) -> Module:
@@ -304,19 +298,3 @@ class DeepSpeedCheckpoint(EngineCheckpoint):
             )
         state = engine._zero3_consolidated_16bit_state_dict()
         return dict(state) if _is_main_process() else {}
-
-
-# The handler of each Fabric strategy class; subclasses get their parent's.
-_ENGINES: dict[type[Strategy], Callable[[Any], EngineCheckpoint]] = {
-    FabricAcceleratedFSDPStrategy: lambda strategy: FSDPCheckpoint(str(strategy.fsdp_plugin.state_dict_type)),
-    DeepSpeedStrategy: lambda strategy: DeepSpeedCheckpoint(),
-}
-
-
-def engine_checkpoint(strategy: Strategy) -> EngineCheckpoint | None:
-    """The handler of a strategy whose engine writes its own model and optimizer files, else ``None``."""
-    for cls in type(strategy).__mro__:
-        factory = _ENGINES.get(cls)
-        if factory is not None:
-            return factory(strategy)
-    return None

@@ -2,8 +2,9 @@
 
 ``save_model`` writes ``model.safetensors`` (or ``pytorch_model.bin``), or ``model-00001-of-00003.safetensors``, ...
 with ``model.safetensors.index.json`` past ``max_shard_size``, as ``Accelerator.save_model`` and ``from_pretrained``
-expect. :mod:`lightning_accel.checkpointing` re-exports ``save_model`` and ``shard_state_dict``, and reads weights with
-the key helpers (one name per shared storage, a wrapper's ``module.`` prefix).
+expect. :mod:`lightning_accel.checkpointing` re-exports ``save_model`` and ``shard_state_dict``;
+:mod:`lightning_accel.checkpoint.state_files` reads weights with the key helpers (one name per shared storage, a
+wrapper's ``module.`` prefix).
 """
 
 from __future__ import annotations
