@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from lightning_accel.enums import DistributedType
     from lightning_accel.optimizer import AcceleratedOptimizer
     from lightning_accel.scheduler import AcceleratedScheduler
+    from lightning_accel.strategies.protocol import ShimStrategy
 
 __all__ = ["CheckpointControl", "check_save_model_arguments"]
 
@@ -93,6 +94,7 @@ class CheckpointControl:
     """Accelerate's checkpoint methods, for the ``Accelerator``."""
 
     fabric: Fabric
+    _strategy: ShimStrategy
     project_configuration: ProjectConfiguration
     step: int
     _models: list[AcceleratedModule]
