@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
+PACKAGE = Path(__file__).resolve().parents[3] / "lightning_accel"
 
 
 def _imports(path: Path) -> set[str]:

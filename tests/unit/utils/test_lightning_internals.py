@@ -39,7 +39,6 @@ _ACCESSORS = ("getattr", "setattr", "hasattr", "delattr")
 # Uses the scan cannot tell from Lightning's, each with why it is not a private Lightning member, or which session
 # owns the file that still uses one directly. Keyed by (file under lightning_accel/, member).
 ALLOWED = {
-    ("checkpointing.py", "_optimizers"): "Accelerator._optimizers, the shim's own list",
     ("optimizer.py", "_optimizer"): "a probe of any wrapper; Lightning's answer by their public .optimizer first",
     # A file another session is changing: it still uses a Lightning member directly (to move to the check).
 }
