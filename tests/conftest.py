@@ -42,10 +42,15 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test collected from ``tests/launch/`` with ``launch``."""
+    """Mark every test collected from ``tests/launch/`` with ``launch``; run ``process_wide_group`` tests last.
+
+    The group such a test keeps would meet every later test in the process (a forked launcher inherits it, a second
+    ``init_process_group`` is refused), so they go to the end, in their order.
+    """
     for item in items:
         if _LAUNCH_FOLDER in item.path.parents:
             item.add_marker(pytest.mark.launch)
+    items.sort(key=lambda item: "process_wide_group" in getattr(item, "fixturenames", ()))
 
 
 def _reset_accelerator_states() -> None:
