@@ -27,6 +27,18 @@ pytest_plugins = ("pytester",)  # tests/unit/test_conftest.py runs this file's c
 _LAUNCH_FOLDER = Path(__file__).parent / "launch"
 _UNIT_TIER = ("not launch",)
 _PYTEST_OWN = "PYTEST_CURRENT_TEST"  # pytest sets it for each phase of a test
+# Set once per process by whichever test first reaches the library, and meant to stay: importing lightning.fabric
+# (or deepspeed), torch inductor's first cache lookup, PJRT's runtime start (the XLA stage).
+_SET_ONCE_PER_PROCESS = frozenset(
+    {
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "GRPC_VERBOSITY",
+        "PJRT_DYNAMIC_PLUGINS",
+        "TF_CPP_MIN_LOG_LEVEL",
+        "XLA_FLAGS",
+    }
+)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -73,8 +85,8 @@ def _destroyed_process_group() -> bool:
 
 
 def _restored_environment(before: dict[str, str]) -> list[str]:
-    """Put ``os.environ`` back to ``before``; the names of the variables that differed."""
-    names = (before.keys() | os.environ.keys()) - {_PYTEST_OWN}
+    """Put ``os.environ`` back to ``before``, set-once variables aside; the names of the variables that differed."""
+    names = (before.keys() | os.environ.keys()) - {_PYTEST_OWN} - _SET_ONCE_PER_PROCESS
     changed = sorted(name for name in names if before.get(name) != os.environ.get(name))
     for name in changed:
         if name in before:

@@ -30,8 +30,6 @@ FIXTURES = ACCELERATE_CONFIGS
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_xla = pytest.mark.skipif(not HAS_XLA, reason="torch_xla is not installed (tests/xla_stage.sh installs it)")
 STEPS, BATCH, LR = 4, 8, 0.1
-# PJRT's runtime sets GRPC_VERBOSITY, PJRT_DYNAMIC_PLUGINS, TF_CPP_MIN_LOG_LEVEL and XLA_FLAGS when it first starts.
-pytestmark = pytest.mark.usefixtures("undo_library_side_effects")
 
 
 def test_registered_for_trainer_and_fabric() -> None:
