@@ -25,9 +25,8 @@ from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPl
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
-from lightning_accel.utils.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
-from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
+from lightning_accel.utils.modeling.checkpoint import METADATA_FILENAME, is_sharded_checkpoint, read_checkpoint_file
 
 _MODEL_KEY = "state_dict"
 _OPTIMIZER_PREFIX = "optimizer_"

@@ -30,9 +30,9 @@ from typing import Any, cast
 import torch
 
 from lightning_accel.logging import get_logger
-from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from lightning_accel.utils.modeling import is_peft_model
+from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 
 __all__ = ["load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer"]
 

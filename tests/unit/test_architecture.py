@@ -233,7 +233,7 @@ def test_the_shim_internals_are_used_by_the_shim_only() -> None:
 # Checkpoint machinery still in utils/ (issue 22, open): it implements Accelerate's public utils functions
 # (save_fsdp_model, load_fsdp_model, ...; the offline readers), which utils/__init__ re-exports; in checkpoint/ that
 # re-export would be an import up a layer. The set may only shrink.
-UTILS_NOT_YET_PLACED = frozenset({"checkpoint", "checkpoint_reads", "deepspeed_checkpoint", "fsdp_checkpoint"})
+UTILS_NOT_YET_PLACED = frozenset({"fsdp_checkpoint"})
 
 
 def test_utils_holds_accelerate_module_names_only() -> None:
