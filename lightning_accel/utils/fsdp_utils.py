@@ -8,8 +8,8 @@ them.
 ``save_state`` under FSDP with ``SHARDED_STATE_DICT`` writes ``pytorch_model_fsdp_{i}/`` (and ``optimizer_{i}/``) as
 ``torch.distributed.checkpoint`` directories, one shard per process. :func:`merge_fsdp_weights` turns such a directory
 into ``model.safetensors`` (or ``pytorch_model.bin``) that loads without FSDP or a process group. The model and
-optimizer checkpoint functions (``save_fsdp_model``, ...) are in :mod:`lightning_accel.utils.fsdp_checkpoint` and
-importable from here, Accelerate's path.
+optimizer checkpoint functions (``save_fsdp_model``, ...) are thin wrappers here, Accelerate's path, over the one FSDP
+layout in :mod:`lightning_accel.checkpoint.fsdp_layout` (a layer up, so imported when called).
 """
 
 from __future__ import annotations
@@ -31,12 +31,6 @@ import torch
 from lightning_accel.logging import get_logger
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
-from lightning_accel.utils.fsdp_checkpoint import (
-    load_fsdp_model,
-    load_fsdp_optimizer,
-    save_fsdp_model,
-    save_fsdp_optimizer,
-)
 from lightning_accel.utils.modeling.tensors import get_non_persistent_buffers
 from lightning_accel.utils.other import get_module_children_bottom_up, is_compiled_module, save
 from lightning_accel.utils.versions import is_torch_version
@@ -689,3 +683,66 @@ def ensure_weights_retied(param_init_fn: Any, model: torch.nn.Module, device: to
         return module
 
     return init_and_retie
+
+
+def save_fsdp_model(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: Any,
+    output_dir: str | os.PathLike[str],
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
+    """Accelerate's: write an FSDP model's weights to ``output_dir`` (in the FSDP layout's files)."""
+    from lightning_accel.checkpoint import fsdp_layout
+
+    fsdp_layout.save_fsdp_model(fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only, use_dcp)
+
+
+def load_fsdp_model(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: Any,
+    input_dir: str | os.PathLike[str],
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> Any:
+    """Accelerate's: load what ``save_fsdp_model`` wrote into an FSDP model; returns what loading returned."""
+    from lightning_accel.checkpoint import fsdp_layout
+
+    return fsdp_layout.load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
+
+
+def save_fsdp_optimizer(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    output_dir: str | os.PathLike[str],
+    optimizer_index: int = 0,
+    use_dcp: bool = True,
+) -> None:
+    """Accelerate's: write an FSDP optimizer's state (keyed by parameter name) to ``output_dir``."""
+    from lightning_accel.checkpoint import fsdp_layout
+
+    fsdp_layout.save_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp)
+
+
+def load_fsdp_optimizer(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    input_dir: str | os.PathLike[str],
+    optimizer_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
+    """Accelerate's: load what ``save_fsdp_optimizer`` wrote into the optimizer (``adapter_only`` unused, as there)."""
+    from lightning_accel.checkpoint import fsdp_layout
+
+    fsdp_layout.load_fsdp_optimizer(
+        fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp
+    )

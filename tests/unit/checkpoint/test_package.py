@@ -109,7 +109,7 @@ def test_publish_moves_a_file_or_a_folder_and_rotation_keeps_the_newest(tmp_path
 
 
 def test_fsdp_strategy_answers_with_its_checkpoint_engine() -> None:
-    from lightning_accel.checkpoint.engines import FSDPCheckpoint
+    from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
     from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
     from lightning_accel.strategies.single_device import FabricAcceleratedSingleDeviceStrategy
     from lightning_accel.utils import FullyShardedDataParallelPlugin
