@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch.nn import Module
@@ -54,12 +54,13 @@ from lightning_accel.utils.modeling import is_peft_model
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 
 __all__ = [
+    "FSDPCall",
     "FSDPCheckpoint",
     "FSDPFiles",
-    "load_fsdp_model",
-    "load_fsdp_optimizer",
-    "save_fsdp_model",
-    "save_fsdp_optimizer",
+    "load_model",
+    "load_optimizer",
+    "save_model",
+    "save_optimizer",
 ]
 
 logger = get_logger(__name__)
@@ -269,7 +270,39 @@ def _owner(modules: Sequence[Module], optimizer: Optimizer) -> Module:
     )
 
 
-# Accelerate's functions.
+# Accelerate's functions (their signatures and documentation are at Accelerate's path, utils/fsdp_utils.py).
+
+
+class Processes(Protocol):
+    """What Accelerate's FSDP checkpoint functions read from the accelerator they are given."""
+
+    num_processes: int
+    process_index: int
+    is_main_process: bool
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this call."""
+
+
+@dataclass(frozen=True)
+class FSDPCall:
+    """The arguments of one call of Accelerate's FSDP checkpoint functions (every process makes it)."""
+
+    fsdp_plugin: Any  # this package's FullyShardedDataParallelPlugin or Accelerate's
+    accelerator: Processes
+    model: Module
+    directory: str | os.PathLike[str]
+    index: int = 0
+    adapter_only: bool = False
+    use_dcp: bool = True
+
+    def begin(self, kind: str) -> tuple[FSDPSettings, Module, FSDPFiles]:
+        """The plugin's settings, the FSDP module, and the files of this call's model or optimizer."""
+        return (
+            fsdp_settings(self.fsdp_plugin),
+            engine_module(self.model),
+            FSDPFiles(Path(self.directory), kind, self.index),
+        )
 
 
 def _is_fsdp2(accelerator: Any, settings: FSDPSettings) -> bool:
@@ -339,65 +372,32 @@ def _read_accelerate_state(
     return _torch_read(files.per_rank(rank))
 
 
-def save_fsdp_model(
-    fsdp_plugin: Any,
-    accelerator: Any,
-    model: Any,
-    output_dir: str | os.PathLike[str],
-    model_index: int = 0,
-    adapter_only: bool = False,
-    use_dcp: bool = True,
-) -> None:
-    """Write an FSDP model's weights to ``output_dir`` as Accelerate does (every process calls it).
-
-    Args:
-        fsdp_plugin: The FSDP plugin (its ``fsdp_version`` and ``state_dict_type`` choose the format).
-        accelerator: The accelerator (``num_processes``, ``process_index``).
-        model: The FSDP-wrapped model (or the one ``Accelerator.prepare`` returned).
-        output_dir: The folder (created if missing).
-        model_index: The model's index, in the file names.
-        adapter_only: For a PEFT model, the adapter's weights only.
-        use_dcp: With ``SHARDED_STATE_DICT``, a ``torch.distributed.checkpoint`` directory; ``False`` writes one
-            ``torch.save`` file per process (no collective; load it with ``use_dcp=False`` too).
-
-    """
-    settings, module = fsdp_settings(fsdp_plugin), engine_module(model)
-    os.makedirs(output_dir, exist_ok=True)
-    settings.gather_rules(accelerator.num_processes, module)
-    rank, files = accelerator.process_index, FSDPFiles(Path(output_dir), "model", model_index)
+def save_model(call: FSDPCall) -> None:
+    """``save_fsdp_model``: write the model's state, as Accelerate does."""
+    settings, module, files = call.begin("model")
+    os.makedirs(call.directory, exist_ok=True)
+    settings.gather_rules(call.accelerator.num_processes, module)
+    rank = call.accelerator.process_index
     with settings.context(module):
-        state = _model_state(module, adapter_only, settings.options(module))
+        state = _model_state(module, call.adapter_only, settings.options(module))
         if settings.state_dict_type.name == "LOCAL_STATE_DICT":
             torch.save(state, files.local(rank))
-        elif (written := write_state(state, files, settings.full, rank, use_dcp)) is not None:
+        elif (written := write_state(state, files, settings.full, rank, call.use_dcp)) is not None:
             logger.info(f"Model saved to {written}")
 
 
-def load_fsdp_model(
-    fsdp_plugin: Any,
-    accelerator: Any,
-    model: Any,
-    input_dir: str | os.PathLike[str],
-    model_index: int = 0,
-    adapter_only: bool = False,
-    use_dcp: bool = True,
-) -> Any:
-    """Load what :func:`save_fsdp_model` (or Accelerate's) wrote into an FSDP model; every process calls it.
-
-    With ``FULL_STATE_DICT`` and FSDP1, only process 0 reads the file when the model's states are synced from it
-    (``sync_module_states``), as in Accelerate; with FSDP2 process 0 reads it and broadcasts.
-
-    Returns:
-        What the model's ``load_state_dict`` returned (``None`` on the processes that load nothing).
+def load_model(call: FSDPCall) -> Any:
+    """``load_fsdp_model``: load what :func:`save_model` (or Accelerate's) wrote; returns what loading returned.
 
     Raises:
-        ValueError: Under FSDP1 with ``FULL_STATE_DICT`` on a process other than 0 when ``model`` is not FSDP-wrapped
+        ValueError: Under FSDP1 with ``FULL_STATE_DICT`` on a process other than 0 when the model is not FSDP-wrapped
             and ``sync_module_states`` is off (that process would keep its own weights).
 
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    settings, module = fsdp_settings(fsdp_plugin), engine_module(model)
+    settings, module, files = call.begin("model")
+    accelerator = call.accelerator
     rank, fsdp2 = accelerator.process_index, _is_fsdp2(accelerator, settings)
     accelerator.wait_for_everyone()
     settings.gather_rules(accelerator.num_processes, module)
@@ -411,68 +411,39 @@ def load_fsdp_model(
                 )
             return None
         reads_full = not fsdp2 or accelerator.is_main_process  # FSDP2 broadcasts process 0's (broadcast_from_rank0)
-        files = FSDPFiles(Path(input_dir), "model", model_index)
-        shards = partial(_model_state, module, adapter_only, options)
-        state = _read_accelerate_state(files, settings, (rank, reads_full, use_dcp), shards)
-        result = _set_model_state(module, state, adapter_only, options)
+        shards = partial(_model_state, module, call.adapter_only, options)
+        state = _read_accelerate_state(files, settings, (rank, reads_full, call.use_dcp), shards)
+        result = _set_model_state(module, state, call.adapter_only, options)
     accelerator.wait_for_everyone()
     return result
 
 
-def save_fsdp_optimizer(
-    fsdp_plugin: Any,
-    accelerator: Any,
-    optimizer: Any,
-    model: Any,
-    output_dir: str | os.PathLike[str],
-    optimizer_index: int = 0,
-    use_dcp: bool = True,
-) -> None:
-    """Write an FSDP optimizer's state (keyed by parameter name) to ``output_dir``; every process calls it.
-
-    ``FULL_STATE_DICT``: ``optimizer.bin`` from process 0; otherwise ``optimizer_{i}/``
-    (``torch.distributed.checkpoint``) or, with ``use_dcp=False``, ``optimizer_{i}_rank{r}.bin`` per process.
-    """
-    settings, module, raw = fsdp_settings(fsdp_plugin), engine_module(model), torch_optimizer(optimizer)
-    os.makedirs(output_dir, exist_ok=True)
+def save_optimizer(call: FSDPCall, optimizer: Any) -> None:
+    """``save_fsdp_optimizer``: write the optimizer's state (keyed by parameter name), as Accelerate does."""
+    settings, module, files = call.begin("optimizer")
+    os.makedirs(call.directory, exist_ok=True)
     settings.no_offload_on_cpu(module)
-    files = FSDPFiles(Path(output_dir), "optimizer", optimizer_index)
     with settings.context(module):
-        state = _optimizer_state(settings, module, raw, settings.options(module))
-        written = write_state(state, files, settings.full, accelerator.process_index, use_dcp)
+        state = _optimizer_state(settings, module, torch_optimizer(optimizer), settings.options(module))
+        written = write_state(state, files, settings.full, call.accelerator.process_index, call.use_dcp)
         if written is not None:
             logger.info(f"Optimizer state saved in {written}")
 
 
-def load_fsdp_optimizer(
-    fsdp_plugin: Any,
-    accelerator: Any,
-    optimizer: Any,
-    model: Any,
-    input_dir: str | os.PathLike[str],
-    optimizer_index: int = 0,
-    adapter_only: bool = False,
-    use_dcp: bool = True,
-) -> None:
-    """Load what :func:`save_fsdp_optimizer` (or Accelerate's) wrote into the optimizer; every process calls it.
-
-    ``adapter_only`` is accepted for Accelerate's signature and unused, as there.
-    """
+def load_optimizer(call: FSDPCall, optimizer: Any) -> None:
+    """``load_fsdp_optimizer``: load what :func:`save_optimizer` (or Accelerate's) wrote into ``optimizer``."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    del adapter_only
-    settings, module, raw = fsdp_settings(fsdp_plugin), engine_module(model), torch_optimizer(optimizer)
-    accelerator.wait_for_everyone()
+    settings, module, files = call.begin("optimizer")
+    raw, rank = torch_optimizer(optimizer), call.accelerator.process_index
+    call.accelerator.wait_for_everyone()
     settings.no_offload_on_cpu(module)
     options = settings.options(module)
-    rank = accelerator.process_index
     with settings.context(module):
         reads_full = rank == 0 or not getattr(settings.optim_state_dict_config, "rank0_only", False)
-        files = FSDPFiles(Path(input_dir), "optimizer", optimizer_index)
         shards = partial(_optimizer_state, settings, module, raw, options)
-        state = _read_accelerate_state(files, settings, (rank, reads_full, use_dcp), shards)
-        if settings.full and not reads_full:
-            state = None
+        reading = (rank, reads_full, call.use_dcp)
+        state = _read_accelerate_state(files, settings, reading, shards) if reads_full or not settings.full else None
         if settings.version == 1:
             flat = FullyShardedDataParallel.optim_state_dict_to_load(model=module, optim=raw, optim_state_dict=state)
             raw.load_state_dict(flat)
@@ -480,4 +451,4 @@ def load_fsdp_optimizer(
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
             set_optimizer_state_dict(module, raw, state, options=options)
-    accelerator.wait_for_everyone()
+    call.accelerator.wait_for_everyone()

@@ -694,10 +694,25 @@ def save_fsdp_model(
     adapter_only: bool = False,
     use_dcp: bool = True,
 ) -> None:
-    """Accelerate's: write an FSDP model's weights to ``output_dir`` (in the FSDP layout's files)."""
+    """Write an FSDP model's weights to ``output_dir`` as Accelerate does (every process calls it).
+
+    Args:
+        fsdp_plugin: The FSDP plugin (its ``fsdp_version`` and ``state_dict_type`` choose the format), this
+            package's or Accelerate's.
+        accelerator: The accelerator (``num_processes``, ``process_index``).
+        model: The FSDP-wrapped model (or the one ``Accelerator.prepare`` returned).
+        output_dir: The folder (created if missing).
+        model_index: The model's index, in the file names.
+        adapter_only: For a PEFT model, the adapter's weights only.
+        use_dcp: With ``SHARDED_STATE_DICT``, a ``torch.distributed.checkpoint`` directory; ``False`` writes one
+            ``torch.save`` file per process (no collective; load it with ``use_dcp=False`` too).
+
+    """
     from lightning_accel.checkpoint import fsdp_layout
 
-    fsdp_layout.save_fsdp_model(fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only, use_dcp)
+    fsdp_layout.save_model(
+        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only, use_dcp)
+    )
 
 
 def load_fsdp_model(
@@ -709,10 +724,24 @@ def load_fsdp_model(
     adapter_only: bool = False,
     use_dcp: bool = True,
 ) -> Any:
-    """Accelerate's: load what ``save_fsdp_model`` wrote into an FSDP model; returns what loading returned."""
+    """Load what :func:`save_fsdp_model` (or Accelerate's) wrote into an FSDP model; every process calls it.
+
+    With ``FULL_STATE_DICT`` and FSDP1, only process 0 reads the file when the model's states are synced from it
+    (``sync_module_states``), as in Accelerate; with FSDP2 process 0 reads it and broadcasts.
+
+    Returns:
+        What the model's ``load_state_dict`` returned (``None`` on the processes that load nothing).
+
+    Raises:
+        ValueError: Under FSDP1 with ``FULL_STATE_DICT`` on a process other than 0 when ``model`` is not FSDP-wrapped
+            and ``sync_module_states`` is off (that process would keep its own weights).
+
+    """
     from lightning_accel.checkpoint import fsdp_layout
 
-    return fsdp_layout.load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
+    return fsdp_layout.load_model(
+        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
+    )
 
 
 def save_fsdp_optimizer(
@@ -724,10 +753,16 @@ def save_fsdp_optimizer(
     optimizer_index: int = 0,
     use_dcp: bool = True,
 ) -> None:
-    """Accelerate's: write an FSDP optimizer's state (keyed by parameter name) to ``output_dir``."""
+    """Write an FSDP optimizer's state (keyed by parameter name) to ``output_dir``; every process calls it.
+
+    ``FULL_STATE_DICT``: ``optimizer.bin`` from process 0; otherwise ``optimizer_{i}/``
+    (``torch.distributed.checkpoint``) or, with ``use_dcp=False``, ``optimizer_{i}_rank{r}.bin`` per process.
+    """
     from lightning_accel.checkpoint import fsdp_layout
 
-    fsdp_layout.save_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp)
+    fsdp_layout.save_optimizer(
+        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, output_dir, optimizer_index, use_dcp=use_dcp), optimizer
+    )
 
 
 def load_fsdp_optimizer(
@@ -740,9 +775,13 @@ def load_fsdp_optimizer(
     adapter_only: bool = False,
     use_dcp: bool = True,
 ) -> None:
-    """Accelerate's: load what ``save_fsdp_optimizer`` wrote into the optimizer (``adapter_only`` unused, as there)."""
+    """Load what :func:`save_fsdp_optimizer` (or Accelerate's) wrote into the optimizer; every process calls it.
+
+    ``adapter_only`` is accepted for Accelerate's signature and unused, as there.
+    """
     from lightning_accel.checkpoint import fsdp_layout
 
-    fsdp_layout.load_fsdp_optimizer(
-        fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp
+    del adapter_only
+    fsdp_layout.load_optimizer(
+        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, input_dir, optimizer_index, use_dcp=use_dcp), optimizer
     )
