@@ -442,8 +442,9 @@ def load_optimizer(call: FSDPCall, optimizer: Any) -> None:
     with settings.context(module):
         reads_full = rank == 0 or not getattr(settings.optim_state_dict_config, "rank0_only", False)
         shards = partial(_optimizer_state, settings, module, raw, options)
-        reading = (rank, reads_full, call.use_dcp)
-        state = _read_accelerate_state(files, settings, reading, shards) if reads_full or not settings.full else None
+        state: Any = None  # on the processes that read no gathered file
+        if reads_full or not settings.full:
+            state = _read_accelerate_state(files, settings, (rank, reads_full, call.use_dcp), shards)
         if settings.version == 1:
             flat = FullyShardedDataParallel.optim_state_dict_to_load(model=module, optim=raw, optim_state_dict=state)
             raw.load_state_dict(flat)
