@@ -20,8 +20,8 @@ Differences from Accelerate (its bugs, fixed):
 
 Under FSDP and DeepSpeed the engine writes the models and optimizers itself, under Accelerate's names too
 (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, ``pytorch_model_fsdp.bin`` and ``optimizer.bin``, or DeepSpeed's
-``pytorch_model/``): see :mod:`lightning_accel.checkpoint.engines`. As in Accelerate, the save hooks then get no
-weights and the load hooks no models.
+``pytorch_model/``): see :mod:`lightning_accel.checkpoint.fsdp_layout` and :mod:`lightning_accel.checkpoint.engines`.
+As in Accelerate, the save hooks then get no weights and the load hooks no models.
 
 Accelerate's lower-level functions, with its signatures: :func:`save_accelerator_state` / :func:`load_accelerator_state`
 (given state dicts, optimizers, schedulers, loaders, a scaler and the RNG states) and :func:`save_custom_state` /

@@ -58,8 +58,8 @@ def _sharded_entries(source: Path) -> list[str]:
 
 def _merge_lightning_checkpoint(source: Path, target: Path, key: str, prefix: str, safe: bool) -> Path:
     """Write the model entry of a sharded ``acc_fsdp`` checkpoint folder into ``target``; returns the file."""
-    from lightning_accel.utils.checkpoint import load_full_state_dict
     from lightning_accel.utils.constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+    from lightning_accel.utils.modeling.checkpoint import load_full_state_dict
     from lightning_accel.utils.other import save
 
     entries = _sharded_entries(source)
@@ -87,7 +87,7 @@ def _merge_accelerate_checkpoint(source: Path, target: Path, safe: bool) -> Path
 
 
 def _run_merge_weights(args: argparse.Namespace) -> int:
-    from lightning_accel.utils.checkpoint import is_sharded_checkpoint
+    from lightning_accel.utils.modeling.checkpoint import is_sharded_checkpoint
 
     source, target = Path(args.checkpoint_directory), Path(args.output_path)
     if not source.is_dir():

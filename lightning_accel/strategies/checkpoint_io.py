@@ -13,7 +13,7 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
+from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 
 __all__ = ["NamingTorchCheckpointIO"]
 

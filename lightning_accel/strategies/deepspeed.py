@@ -71,9 +71,8 @@ from lightning_accel.strategies.deepspeed_prepare import (
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults, StepEngine
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.deepspeed import DummyOptim
-from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
+from lightning_accel.utils.modeling.checkpoint import consolidate_deepspeed_checkpoint, read_checkpoint_file
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -26,7 +26,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.checkpoint.engines import EngineCheckpoint, FSDPCheckpoint
+from lightning_accel.checkpoint.engines import EngineCheckpoint
+from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
 from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import (
@@ -248,7 +249,13 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
 
     def checkpoint_engine(self) -> EngineCheckpoint | None:
         """FSDP writes ``save_state``'s models and optimizers (sharded or gathered, by the plugin's type)."""
-        return FSDPCheckpoint(str(self.fsdp_plugin.state_dict_type), after_load=refresh_float8_scales)
+        plugin = self.fsdp_plugin
+        return FSDPCheckpoint(
+            str(plugin.state_dict_type),
+            after_load=refresh_float8_scales,
+            state_dict_config=plugin.state_dict_config,
+            optim_state_dict_config=plugin.optim_state_dict_config,
+        )
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

@@ -20,14 +20,13 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_accel.checkpoint.fsdp_policy import state_dict_options
+from lightning_accel.checkpoint.fsdp_policy import check_state_dict_configs, state_dict_options
 from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
-from lightning_accel.utils.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
-from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
+from lightning_accel.utils.modeling.checkpoint import METADATA_FILENAME, is_sharded_checkpoint, read_checkpoint_file
 
 _MODEL_KEY = "state_dict"
 _OPTIMIZER_PREFIX = "optimizer_"
@@ -49,6 +48,11 @@ class FSDPFamily:
             raise TypeError(f"`fsdp_plugin` must be a FullyShardedDataParallelPlugin, got {type(plugin).__name__}.")
         self.plugin = plugin or FullyShardedDataParallelPlugin()
         self.dynamo_plugin = dynamo_plugin
+        configs = {
+            "state_dict_config": self.plugin.state_dict_config,
+            "optim_state_dict_config": self.plugin.optim_state_dict_config,
+        }
+        check_state_dict_configs(str(self.plugin.state_dict_type), configs)
 
     @property
     def version(self) -> int:
@@ -157,13 +161,14 @@ class FSDPFamily:
         """The model's state dict: gathered on every process if ``full``, else this process's shards."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(model, options=self._options(model, full))
+        return get_model_state_dict(model, options=self._options(model, full, self.plugin.state_dict_config))
 
     def optimizer_state_dict(self, model: Module, optimizer: Optimizer, full: bool | None = None) -> dict[str, Any]:
         """The optimizer's state dict, keyed by parameter names (full or sharded like the model's)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer, options=self._options(model, full))
+        config = self.plugin.optim_state_dict_config
+        return get_optimizer_state_dict(model, optimizer, options=self._options(model, full, config))
 
     def save_sharded(self, state: dict[str, Any], shard_keys: Iterable[str], path: Path, is_global_zero: bool) -> None:
         """Write a sharded checkpoint directory: the ``shard_keys`` entries as shards, ``meta.pt`` with the rest."""
@@ -278,8 +283,10 @@ class FSDPFamily:
         metadata = read_checkpoint_file(path / METADATA_FILENAME, _torch_load_on_cpu)
         return {**metadata, **shards}
 
-    def _options(self, model: Module, full: bool | None) -> Any:
-        return state_dict_options(model, self.full_state_dict if full is None else full)
+    def _options(self, model: Module, full: bool | None, config: Any = None) -> Any:
+        """The policy's options; the plugin's ``config`` applies to the state-dict type it was set for."""
+        gathered = self.full_state_dict if full is None else full
+        return state_dict_options(model, gathered, config if gathered == self.full_state_dict else None)
 
     def _offloads(self) -> bool:
         offload = self.plugin.cpu_offload

@@ -42,7 +42,6 @@ from lightning_accel.enums import (
 )
 from lightning_accel.utils.ao import convert_model_to_fp8_ao, filter_first_and_last_linear_layers, has_ao_layers
 from lightning_accel.utils.bnb import has_4bit_bnb_layers, load_and_quantize_model
-from lightning_accel.utils.checkpoint import load_full_state_dict
 from lightning_accel.utils.constants import (
     BETA_CP_AVAILABLE_PYTORCH_VERSION,
     BETA_SP_AVAILABLE_DEEPSPEED_VERSION,
@@ -235,6 +234,7 @@ from lightning_accel.utils.modeling import (
     set_module_tensor_to_device,
     verify_device_map,
 )
+from lightning_accel.utils.modeling.checkpoint import load_full_state_dict
 from lightning_accel.utils.offload import (
     OffloadedWeightsLoader,
     PrefixedDataset,

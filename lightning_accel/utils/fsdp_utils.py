@@ -8,8 +8,8 @@ them.
 ``save_state`` under FSDP with ``SHARDED_STATE_DICT`` writes ``pytorch_model_fsdp_{i}/`` (and ``optimizer_{i}/``) as
 ``torch.distributed.checkpoint`` directories, one shard per process. :func:`merge_fsdp_weights` turns such a directory
 into ``model.safetensors`` (or ``pytorch_model.bin``) that loads without FSDP or a process group. The model and
-optimizer checkpoint functions (``save_fsdp_model``, ...) are in :mod:`lightning_accel.utils.fsdp_checkpoint` and
-importable from here, Accelerate's path.
+optimizer checkpoint functions (``save_fsdp_model``, ...) are thin wrappers here, Accelerate's path, over the one FSDP
+layout in :mod:`lightning_accel.checkpoint.fsdp_layout` (a layer up, so imported when called).
 """
 
 from __future__ import annotations
@@ -31,12 +31,6 @@ import torch
 from lightning_accel.logging import get_logger
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
-from lightning_accel.utils.fsdp_checkpoint import (
-    load_fsdp_model,
-    load_fsdp_optimizer,
-    save_fsdp_model,
-    save_fsdp_optimizer,
-)
 from lightning_accel.utils.modeling.tensors import get_non_persistent_buffers
 from lightning_accel.utils.other import get_module_children_bottom_up, is_compiled_module, save
 from lightning_accel.utils.versions import is_torch_version
@@ -689,3 +683,105 @@ def ensure_weights_retied(param_init_fn: Any, model: torch.nn.Module, device: to
         return module
 
     return init_and_retie
+
+
+def save_fsdp_model(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: Any,
+    output_dir: str | os.PathLike[str],
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
+    """Write an FSDP model's weights to ``output_dir`` as Accelerate does (every process calls it).
+
+    Args:
+        fsdp_plugin: The FSDP plugin (its ``fsdp_version`` and ``state_dict_type`` choose the format), this
+            package's or Accelerate's.
+        accelerator: The accelerator (``num_processes``, ``process_index``).
+        model: The FSDP-wrapped model (or the one ``Accelerator.prepare`` returned).
+        output_dir: The folder (created if missing).
+        model_index: The model's index, in the file names.
+        adapter_only: For a PEFT model, the adapter's weights only.
+        use_dcp: With ``SHARDED_STATE_DICT``, a ``torch.distributed.checkpoint`` directory; ``False`` writes one
+            ``torch.save`` file per process (no collective; load it with ``use_dcp=False`` too).
+
+    """
+    from lightning_accel.checkpoint import fsdp_layout
+
+    fsdp_layout.save_model(
+        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only, use_dcp)
+    )
+
+
+def load_fsdp_model(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: Any,
+    input_dir: str | os.PathLike[str],
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> Any:
+    """Load what :func:`save_fsdp_model` (or Accelerate's) wrote into an FSDP model; every process calls it.
+
+    With ``FULL_STATE_DICT`` and FSDP1, only process 0 reads the file when the model's states are synced from it
+    (``sync_module_states``), as in Accelerate; with FSDP2 process 0 reads it and broadcasts.
+
+    Returns:
+        What the model's ``load_state_dict`` returned (``None`` on the processes that load nothing).
+
+    Raises:
+        ValueError: Under FSDP1 with ``FULL_STATE_DICT`` on a process other than 0 when ``model`` is not FSDP-wrapped
+            and ``sync_module_states`` is off (that process would keep its own weights).
+
+    """
+    from lightning_accel.checkpoint import fsdp_layout
+
+    return fsdp_layout.load_model(
+        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
+    )
+
+
+def save_fsdp_optimizer(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    output_dir: str | os.PathLike[str],
+    optimizer_index: int = 0,
+    use_dcp: bool = True,
+) -> None:
+    """Write an FSDP optimizer's state (keyed by parameter name) to ``output_dir``; every process calls it.
+
+    ``FULL_STATE_DICT``: ``optimizer.bin`` from process 0; otherwise ``optimizer_{i}/``
+    (``torch.distributed.checkpoint``) or, with ``use_dcp=False``, ``optimizer_{i}_rank{r}.bin`` per process.
+    """
+    from lightning_accel.checkpoint import fsdp_layout
+
+    fsdp_layout.save_optimizer(
+        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, output_dir, optimizer_index, use_dcp=use_dcp), optimizer
+    )
+
+
+def load_fsdp_optimizer(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    input_dir: str | os.PathLike[str],
+    optimizer_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
+    """Load what :func:`save_fsdp_optimizer` (or Accelerate's) wrote into the optimizer; every process calls it.
+
+    ``adapter_only`` is accepted for Accelerate's signature and unused, as there.
+    """
+    from lightning_accel.checkpoint import fsdp_layout
+
+    del adapter_only
+    fsdp_layout.load_optimizer(
+        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, input_dir, optimizer_index, use_dcp=use_dcp), optimizer
+    )

@@ -7,6 +7,15 @@ RAM can be loaded one shard at a time.
 
 One difference from Accelerate 1.15: a non-offloaded buffer of a ``"disk"`` module gets the checkpoint's value (on
 the CPU); Accelerate left it as the model was built, so e.g. a BatchNorm's running statistics were lost.
+
+Every read of a checkpoint (the shim's ``load_state``, the strategies' ``load_checkpoint``, the loaders here) goes
+through :func:`read_checkpoint_file`, so a truncated or corrupt file, or one that is not a checkpoint, is reported as
+``ValueError`` naming its path instead of torch's ``PytorchStreamReader failed reading zip archive``.
+
+The offline readers of this package's strategy checkpoints live here too, as they are public at
+``lightning_accel.utils``: :func:`load_full_state_dict` reads a model's full state dict from any ``acc_*`` checkpoint
+(a Trainer or Fabric file, an ``acc_fsdp`` sharded folder, a DeepSpeed folder) in one process, and
+:func:`consolidate_deepspeed_checkpoint` turns a DeepSpeed folder into one state dict.
 """
 
 from __future__ import annotations
@@ -16,15 +25,16 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file as safe_load_file
 from torch import nn
 
-from lightning_accel.utils.checkpoint_reads import read_checkpoint_file
 from lightning_accel.utils.constants import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from lightning_accel.utils.modeling.sizes import DtypeLike, _as_dtype
 from lightning_accel.utils.modeling.tensors import (
@@ -39,9 +49,57 @@ from lightning_accel.utils.modeling.tensors import (
 )
 from lightning_accel.utils.offload import load_offloaded_weight, offload_weight, save_offload_index
 
-__all__ = ["load_checkpoint_in_model", "load_offloaded_weights", "load_state_dict"]
+__all__ = [
+    "METADATA_FILENAME",
+    "consolidate_deepspeed_checkpoint",
+    "is_sharded_checkpoint",
+    "load_checkpoint_in_model",
+    "load_full_state_dict",
+    "load_offloaded_weights",
+    "load_state_dict",
+    "read_checkpoint_file",
+    "strip_prefix",
+]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+V = TypeVar("V")
+P = TypeVar("P", bound="str | os.PathLike[str]")
+
+
+def read_checkpoint_file(path: P, reader: Callable[[P], T]) -> T:
+    """``reader(path)``, with any failure but a missing file re-raised naming ``path``.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist (as the reader raised it).
+        ValueError: If the reader failed on the file's content, naming the file and the reader's reason.
+
+    """
+    try:
+        return reader(path)
+    except FileNotFoundError:
+        raise
+    except Exception as err:
+        raise ValueError(
+            f"Could not read checkpoint file {path}: {str(err).rstrip('.')}. The file may be truncated or corrupt "
+            "(a save that was interrupted, a partial copy) or not a checkpoint; point to an intact checkpoint."
+        ) from err
+
+
+def strip_prefix(state: Mapping[str, V], prefix: str) -> dict[str, V]:
+    """Keep the entries whose key starts with ``prefix``, without it (all entries for an empty prefix).
+
+    Raises:
+        KeyError: If no key starts with ``prefix``.
+
+    """
+    if not prefix:
+        return dict(state)
+    selected = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    if not selected:
+        raise KeyError(f"No key of the checkpoint starts with prefix {prefix!r}; keys look like {next(iter(state))!r}.")
+    return selected
 
 
 def _main_device(device_map: Mapping[str, DeviceLike]) -> DeviceLike:
@@ -463,3 +521,106 @@ def _refuse_tensors_left_on_meta(model: nn.Module, offloaded: set[str], files: l
             "would fail); load a complete checkpoint of this model, or build the model with these tensors "
             "initialised (outside init_empty_weights) if they are meant to keep their initial values"
         )
+
+
+# A sharded checkpoint is a directory: torch.distributed.checkpoint shards plus this file with everything else.
+METADATA_FILENAME = "meta.pt"
+_MODEL_KEY = "state_dict"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (shards plus ``meta.pt``)."""
+    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_KEY) -> dict[str, torch.Tensor]:
+    """Read a model's full state dict from any lightning_accel checkpoint, in one process.
+
+    The weights a checkpoint of one strategy holds load this way into a plain ``nn.Module`` or into a model that
+    another strategy then trains (optimizer states are not portable between FSDP and DeepSpeed).
+
+    Args:
+        path: A checkpoint file (``FULL_STATE_DICT``, or any Trainer checkpoint), a sharded directory
+            (``acc_fsdp`` with ``SHARDED_STATE_DICT``) or a DeepSpeed checkpoint directory (``acc_deepspeed``).
+        prefix: Keep only keys starting with this prefix and strip it, e.g. ``"net."`` to load a LightningModule's
+            ``self.net`` into a plain ``nn.Module``.
+        key: Where the model sits in the checkpoint: ``"state_dict"`` for the Trainer, the name given to
+            ``fabric.save(path, {"model": model, ...})`` for Fabric.
+
+    Returns:
+        A state dict of plain CPU tensors for ``nn.Module.load_state_dict``.
+
+    """
+    path = Path(path)
+    if (path / "latest").is_file():  # a DeepSpeed checkpoint directory
+        return strip_prefix(consolidate_deepspeed_checkpoint(path), prefix)
+    if is_sharded_checkpoint(path):
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        with warnings.catch_warnings():  # torch warns that it reads in one process, which is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            checkpoint = read_checkpoint_file(path, lambda p: _load_state_dict_from_keys(keys={key}, checkpoint_id=p))
+    elif path.is_file():
+        checkpoint = read_checkpoint_file(path, lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    else:
+        raise FileNotFoundError(f"No checkpoint at {str(path)!r}: expected a checkpoint file or directory.")
+    if key not in checkpoint:
+        raise KeyError(
+            f"The checkpoint at {str(path)!r} has no {key!r} entry; pass `key=` (one of {sorted(checkpoint)})."
+        )
+    return strip_prefix(checkpoint[key], prefix)
+
+
+def consolidate_deepspeed_checkpoint(
+    path: str | os.PathLike[str], tag: str | None = None, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """Turn a DeepSpeed checkpoint directory into one full state dict for a plain ``nn.Module``.
+
+    Works in a single process, without the strategy. It reads ``pytorch_model.bin`` when the checkpoint has one
+    (written with ``zero3_save_16bit_model=True``; it holds the weights in the training dtype), and otherwise
+    merges the ZeRO shards into fp32 weights with DeepSpeed's ``zero_to_fp32`` utilities.
+
+    Args:
+        path: The directory ``trainer.save_checkpoint`` (or ``fabric.save``) wrote.
+        tag: The DeepSpeed tag (sub-directory) to read; by default the one named in the ``latest`` file.
+        prefix: Keep only the keys starting with this prefix and strip it, e.g. ``"net."`` to load a
+            LightningModule's ``self.net`` into a plain module.
+
+    Returns:
+        Parameter and buffer names of the trained module (the LightningModule for the Trainer) mapped to tensors.
+
+    Raises:
+        FileNotFoundError: If ``path`` is not a DeepSpeed checkpoint directory.
+        KeyError: If no key starts with ``prefix``.
+
+    """
+    return strip_prefix(_read_deepspeed_checkpoint(Path(path), tag), prefix)
+
+
+def _read_deepspeed_checkpoint(root: Path, tag: str | None) -> dict[str, torch.Tensor]:
+    full = root / WEIGHTS_NAME
+    if full.is_file() and tag is None:
+        return dict(read_checkpoint_file(full, lambda p: torch.load(p, map_location="cpu", weights_only=True)))
+    if not (root / "latest").is_file() and tag is None:
+        raise FileNotFoundError(
+            f"{root} is not a DeepSpeed checkpoint directory (it has neither {WEIGHTS_NAME} nor a 'latest' file)."
+            " Pass the directory that trainer.save_checkpoint wrote."
+        )
+    tag = tag if tag is not None else (root / "latest").read_text().strip()
+    shard_dir = root / tag
+    if not any("zero_pp_rank" in f.name for f in shard_dir.glob("*optim_states.pt")):
+        return _stage0_state_dict(shard_dir)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(
+        read_checkpoint_file(shard_dir, lambda _: get_fp32_state_dict_from_zero_checkpoint(os.fspath(root), tag=tag))
+    )
+
+
+def _stage0_state_dict(shard_dir: Path) -> dict[str, torch.Tensor]:
+    """Without ZeRO, rank 0's model-states file holds the whole module."""
+    files = sorted(shard_dir.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"No DeepSpeed model-states file in {shard_dir}.")
+    state = read_checkpoint_file(files[0], lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    return dict(state["module"])

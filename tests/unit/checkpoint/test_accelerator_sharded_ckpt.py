@@ -221,7 +221,7 @@ def test_deepspeed_engine_gets_accelerates_config(run: tuple[Path, dict[str, lis
 
 
 def test_engine_is_chosen_by_the_strategy_class() -> None:
-    from lightning_accel.checkpoint.engines import FSDPCheckpoint
+    from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
     from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
     from lightning_accel.strategies.single_device import FabricAcceleratedSingleDeviceStrategy
     from lightning_accel.utils import FullyShardedDataParallelPlugin
@@ -240,7 +240,8 @@ def test_zero3_state_dict_needs_16bit_gathering() -> None:
 
 
 def test_missing_files_raise_before_loading(tmp_path: Path) -> None:
-    from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint, FSDPCheckpoint
+    from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint
+    from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(
@@ -252,7 +253,7 @@ def test_missing_files_raise_before_loading(tmp_path: Path) -> None:
 
 
 def test_fsdp_local_state_dict_and_deepspeed_options_are_refused(tmp_path: Path) -> None:
-    from lightning_accel.checkpoint.engines import FSDPCheckpoint
+    from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
 
     with pytest.raises(ValueError, match=r"state_dict_type='LOCAL_STATE_DICT'.*SHARDED_STATE_DICT"):
         FSDPCheckpoint("LOCAL_STATE_DICT").save([], [], tmp_path)

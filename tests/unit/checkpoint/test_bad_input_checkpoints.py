@@ -117,7 +117,7 @@ def test_the_same_loader_resumes_at_its_position(tmp_path: Path) -> None:
 def test_the_offline_checkpoint_readers_name_a_truncated_file(tmp_path: Path) -> None:
     """``load_full_state_dict`` and the DeepSpeed consolidation read with torch: its error names no file."""
     from lightning_accel.utils import load_full_state_dict
-    from lightning_accel.utils.deepspeed_checkpoint import consolidate_deepspeed_checkpoint
+    from lightning_accel.utils.modeling.checkpoint import consolidate_deepspeed_checkpoint
 
     ckpt = tmp_path / "last.ckpt"
     torch.save({"state_dict": torch.nn.Linear(2, 2).state_dict()}, ckpt)

@@ -109,7 +109,7 @@ def test_publish_moves_a_file_or_a_folder_and_rotation_keeps_the_newest(tmp_path
 
 
 def test_fsdp_strategy_answers_with_its_checkpoint_engine() -> None:
-    from lightning_accel.checkpoint.engines import FSDPCheckpoint
+    from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
     from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
     from lightning_accel.strategies.single_device import FabricAcceleratedSingleDeviceStrategy
     from lightning_accel.utils import FullyShardedDataParallelPlugin
@@ -127,3 +127,48 @@ def test_state_dict_policy_never_offloads_a_model_already_on_cpu(full: bool) -> 
     options = state_dict_options(torch.nn.Linear(2, 2), full)
     assert options.full_state_dict is full
     assert options.cpu_offload is False
+
+
+def test_state_dict_policy_honours_the_plugins_configs() -> None:
+    from torch.distributed.fsdp import FullStateDictConfig, ShardedOptimStateDictConfig
+
+    from lightning_accel.checkpoint.fsdp_policy import state_dict_options
+
+    off_cpu = torch.nn.Linear(2, 2, device="meta")
+    assert state_dict_options(off_cpu, full=True).cpu_offload is True
+    assert state_dict_options(off_cpu, full=False).cpu_offload is False
+    assert state_dict_options(off_cpu, True, FullStateDictConfig(offload_to_cpu=False)).cpu_offload is False
+    assert state_dict_options(off_cpu, False, ShardedOptimStateDictConfig(offload_to_cpu=True)).cpu_offload is True
+    assert state_dict_options(off_cpu, True, broadcast=True).broadcast_from_rank0 is True
+
+
+def test_save_state_under_fsdp_reads_the_plugins_configs() -> None:
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+    from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
+    from lightning_accel.strategies.fsdp import FabricAcceleratedFSDPStrategy
+    from lightning_accel.utils import FullyShardedDataParallelPlugin
+
+    model_config, optim_config = FullStateDictConfig(offload_to_cpu=False), FullOptimStateDictConfig()
+    plugin = FullyShardedDataParallelPlugin(
+        state_dict_type="FULL_STATE_DICT", state_dict_config=model_config, optim_state_dict_config=optim_config
+    )
+    engine = FabricAcceleratedFSDPStrategy(plugin).checkpoint_engine()
+    assert isinstance(engine, FSDPCheckpoint)
+    assert engine.configs == {"model": model_config, "optimizer": optim_config}
+
+
+def test_accelerates_fsdp_functions_refuse_a_config_of_another_kind(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import FullStateDictConfig
+
+    from lightning_accel.utils import FullyShardedDataParallelPlugin, save_fsdp_model
+
+    plugin = FullyShardedDataParallelPlugin(
+        state_dict_type="SHARDED_STATE_DICT", state_dict_config=FullStateDictConfig()
+    )
+    accelerator = SimpleNamespace(num_processes=1, process_index=0)
+    with pytest.raises(ValueError, match=r"state_dict_config=FullStateDictConfig.*ShardedStateDictConfig"):
+        save_fsdp_model(plugin, accelerator, torch.nn.Linear(2, 2), tmp_path)
+    assert not any(tmp_path.iterdir())

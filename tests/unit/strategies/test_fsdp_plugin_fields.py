@@ -92,6 +92,42 @@ def state_dict_is_sharded(version: int, state_dict_type: str) -> bool:
     return any(isinstance(v, DTensor) or type(v).__name__ == "ShardedTensor" for v in values)
 
 
+def offload_follows(field: str, version: int) -> bool:
+    """Whether the plugin's config decides if a gathered state dict is offloaded to the CPU.
+
+    Seen on a module off the CPU (on the meta device; torch's state-dict reader is stubbed): on the CPU nothing is
+    moved whatever the config says.
+    """
+    from unittest import mock
+
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+    model_field = field == "state_dict_config"
+    reader = "get_model_state_dict" if model_field else "get_optimizer_state_dict"
+    offloads = []
+    for config in ((FullStateDictConfig if model_field else FullOptimStateDictConfig)(offload_to_cpu=False), None):
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=version, state_dict_type="FULL_STATE_DICT", **{field: config}
+        )
+        family, off_cpu = FSDPFamily(plugin), nn.Linear(2, 2, device="meta")
+        with mock.patch(f"torch.distributed.checkpoint.state_dict.{reader}", return_value={}) as read:
+            if model_field:
+                family.model_state_dict(off_cpu)
+            else:
+                family.optimizer_state_dict(off_cpu, torch.optim.SGD(off_cpu.parameters(), lr=0.1))
+        offloads.append(read.call_args.kwargs["options"].cpu_offload)
+    return offloads == [False, True]
+
+
+def state_dict_config_decided(field: str, version: int) -> None:
+    """Honoured (its ``offload_to_cpu``); refused, naming it, when its kind does not fit ``state_dict_type``."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+    wrong = FullStateDictConfig() if field == "state_dict_config" else FullOptimStateDictConfig()
+    refused(field, version, ValueError, state_dict_type="SHARDED_STATE_DICT", **{field: wrong})
+    assert offload_follows(field, version)
+
+
 def weights_kept(version: int, **fields: Any) -> bool:
     torch.manual_seed(0)
     expected = Net().state_dict()
@@ -142,6 +178,8 @@ FSDP2: dict[str, Check] = {
     "state_dict_type": lambda: _assert(
         state_dict_is_sharded(2, "SHARDED_STATE_DICT") and not state_dict_is_sharded(2, "FULL_STATE_DICT")
     ),
+    "state_dict_config": lambda: state_dict_config_decided("state_dict_config", 2),
+    "optim_state_dict_config": lambda: state_dict_config_decided("optim_state_dict_config", 2),
     "limit_all_gathers": lambda: no_effect("limit_all_gathers", 2, limit_all_gathers=False),
     "use_orig_params": lambda: no_effect("use_orig_params", 2, use_orig_params=True),
     "param_init_fn": lambda: no_effect("param_init_fn", 2, param_init_fn=lambda m: None),
@@ -183,19 +221,14 @@ FSDP1: dict[str, Check] = {
     "use_orig_params": lambda: _assert(fsdp1_attribute("_use_orig_params", use_orig_params=True) is True),
     "forward_prefetch": lambda: _assert(fsdp1_attribute("forward_prefetch", forward_prefetch=True) is True),
     "sync_module_states": lambda: _assert(weights_kept(1, sync_module_states=True)),
+    "state_dict_config": lambda: state_dict_config_decided("state_dict_config", 1),
+    "optim_state_dict_config": lambda: state_dict_config_decided("optim_state_dict_config", 1),
     "activation_checkpointing_offload": lambda: _refused_by_plugin(
         "activation_checkpointing_offload",
         fsdp_version=1,
         activation_checkpointing=True,
         activation_checkpointing_offload=True,
     ),
-}
-
-# Fields whose handling is not decided yet, with what happens today; each must be decided (moved to a check above).
-UNDECIDED = {
-    "state_dict_config": "read by save_fsdp_model/load_fsdp_model (FSDP1 state_dict_type context); acc_fsdp's "
-    "checkpoints use torch.distributed.checkpoint's StateDictOptions and do not read it (branch checkpoint's policy)",
-    "optim_state_dict_config": "as state_dict_config",
 }
 
 
@@ -210,9 +243,8 @@ def _refused_by_plugin(field: str, **fields: Any) -> None:
 
 def test_every_field_has_a_check() -> None:
     names = {field.name for field in dataclasses.fields(FullyShardedDataParallelPlugin)}
-    assert names - set(UNDECIDED) == set(FSDP2), "decide what the new FullyShardedDataParallelPlugin field does"
+    assert names == set(FSDP2), "decide what the new FullyShardedDataParallelPlugin field does"
     assert set(FSDP1) <= names
-    assert set(UNDECIDED) <= names
 
 
 @pytest.mark.parametrize("field", sorted(FSDP2))
