@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
@@ -82,6 +83,21 @@ __all__ = [
 ]
 
 
+class _OnDevices(Protocol):
+    _family: DeepSpeedFamily
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+
+def _name_unreadable_checkpoints(strategy: Any) -> None:
+    """Read checkpoints with :class:`NamingTorchCheckpointIO`: a full-weights file that cannot be read is named."""
+    strategy.checkpoint_io = NamingTorchCheckpointIO()
+
+
 class _DeepSpeedFamilyAdapter:
     """What the Trainer and Fabric DeepSpeed strategies share, read from their ``_family`` (listed before Lightning's).
 
@@ -103,8 +119,6 @@ class _DeepSpeedFamilyAdapter:
     """
 
     _family: DeepSpeedFamily
-    #: Lightning's DeepSpeed strategy class this adapter extends (Trainer's or Fabric's).
-    _lightning_deepspeed: ClassVar[type]
     #: Whether Lightning's strategy syncs gradients through a ``_backward_sync_control`` (Fabric's do).
     _syncs_through_control: ClassVar[bool] = False
 
@@ -128,7 +142,7 @@ class _DeepSpeedFamilyAdapter:
             timeout=timeout,
             **lightning_arguments,
         )
-        self.checkpoint_io = NamingTorchCheckpointIO()  # a full-weights file that cannot be read is named
+        _name_unreadable_checkpoints(self)
         if self._syncs_through_control:
             set_backward_sync_control(self, ContextBackwardSync(self._family.no_sync))
 
@@ -137,17 +151,13 @@ class _DeepSpeedFamilyAdapter:
         """The DeepSpeed settings this strategy runs with."""
         return self._family.plugin
 
-    def _configure_launcher(self) -> None:
+    def _configure_launcher(self: _OnDevices) -> None:
         bind_precision(strategy_precision(self), self.parallel_devices)  # refuses fp8 where it cannot run
         super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
 
-    def setup_environment(self) -> None:
-        """Prepare the devices, then set up the environment as Lightning's ``ParallelStrategy`` does.
-
-        Lightning's DeepSpeed class is skipped: its only addition here is refusing non-CUDA accelerators.
-        """
+    def _prepare_devices(self: _OnDevices) -> None:
+        """Make the devices Lightning chose ready for DeepSpeed (its accelerator, CPU threads)."""
         self._family.prepare_devices(self.parallel_devices, self.root_device)
-        super(self._lightning_deepspeed, self).setup_environment()
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -200,7 +210,6 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
     #: Callbacks that skip the context to sync each batch must keep it here (ZeRO 2/3 reduce every micro-batch anyway).
     marks_step_boundary = True
 
-    _lightning_deepspeed = _TrainerDeepSpeedStrategy
     _engine: Any = None  # the engine the last entry point built, released by the next one
 
     @override
@@ -210,6 +219,12 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
         return read_checkpoint_file(checkpoint_path, lambda path: parent(path, weights_only))
 
     precision_plugin = deepspeed_translating(_TrainerDeepSpeedStrategy.precision_plugin, TrainerDeepSpeedPrecision)
+
+    @override
+    def setup_environment(self) -> None:
+        self._prepare_devices()
+        # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
+        super(_TrainerDeepSpeedStrategy, self).setup_environment()
 
     @override
     def setup_distributed(self) -> None:
@@ -400,7 +415,6 @@ class FabricAcceleratedDeepSpeedStrategy(
     engine_steps_in_backward = True
     marks_step_boundary = True
 
-    _lightning_deepspeed = _FabricDeepSpeedStrategy
     _syncs_through_control = True
     _scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare
     _from_prepare = False
@@ -492,6 +506,12 @@ class FabricAcceleratedDeepSpeedStrategy(
     def checkpoint_engine(self) -> EngineCheckpoint | None:
         """DeepSpeed writes ``save_state``'s models and optimizers itself (its tagged checkpoint folders)."""
         return DeepSpeedCheckpoint()
+
+    @override
+    def setup_environment(self) -> None:
+        self._prepare_devices()
+        # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
+        super(_FabricDeepSpeedStrategy, self).setup_environment()
 
     @override
     def _setup_distributed(self) -> None:

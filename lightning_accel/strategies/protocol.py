@@ -94,6 +94,7 @@ class ShimStrategy(Protocol):
 
         By default there is nothing to configure: the engine does not depend on the ``prepare`` call.
         """
+        return None
 
     def step_boundary(self, sync_gradients: bool) -> AbstractContextManager[None]:
         """A context telling the engine whether the backward pass inside ends an accumulation (by default empty)."""

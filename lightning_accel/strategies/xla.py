@@ -240,19 +240,15 @@ class _XLAFamilyAdapter:
     """
 
     #: The accelerator built when none is given (the Trainer's or Fabric's PJRT accelerator).
-    _pjrt_accelerator: ClassVar[Callable[[], Any]]
+    _pjrt_accelerator: ClassVar[type[Any]]
     #: Lightning's ``SingleDeviceXLAStrategy`` this adapter extends (the Trainer's or Fabric's).
     _lightning_xla: ClassVar[Any]
-    #: ``check(accelerator, own)``: the accelerator kept when Lightning's connector assigns ``accelerator``.
-    _checked_accelerator: ClassVar[Callable[[Any, Any], Any]]
+    strategy_name: str
 
-    def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **lightning_arguments: Any) -> None:
-        require_torch_xla()
-        lightning_arguments.setdefault("accelerator", self._pjrt_accelerator())
-        super().__init__(torch.device(device), **lightning_arguments)  # type: ignore[call-arg]  # Lightning's, next
-        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
-        self.accelerator = self.accelerator  # the check the connector's assignment gets
-        self.strategy_name = strategy_name
+    @staticmethod
+    def _checked_accelerator(accelerator: Any, own: Any) -> Any:
+        """The accelerator kept when Lightning's connector assigns ``accelerator`` (``own`` is the current one)."""
+        raise NotImplementedError
 
     @property
     def accelerator(self) -> Any:
@@ -262,6 +258,14 @@ class _XLAFamilyAdapter:
     @accelerator.setter
     def accelerator(self, accelerator: Any) -> None:
         self._lightning_xla.accelerator.fset(self, self._checked_accelerator(accelerator, self.accelerator))
+
+    def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **lightning_arguments: Any) -> None:
+        require_torch_xla()
+        lightning_arguments.setdefault("accelerator", self._pjrt_accelerator())
+        super().__init__(torch.device(device), **lightning_arguments)  # type: ignore[call-arg]  # Lightning's, next
+        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
+        self.accelerator = self.accelerator  # the check the connector's assignment gets
+        self.strategy_name = strategy_name
 
     @property
     def distributed_type(self) -> DistributedType:
