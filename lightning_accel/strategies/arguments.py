@@ -107,7 +107,7 @@ def strategy_options(settings: Mapping[str, Any], *, fabric: bool = False, **opt
             )
     if plugin is not None and plugin.option not in options:
         options[plugin.option] = plugin.build(settings)
-    _add_dynamo_plugin(settings, entry.name, entry.trainer_cls, options)  # the Fabric twin takes the same
+    _add_dynamo_plugin(settings, entry.name, entry.fabric_cls if fabric else entry.trainer_cls, options)
     return options
 
 

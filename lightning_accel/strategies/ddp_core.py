@@ -27,7 +27,19 @@ from lightning_accel.enums import DDPCommunicationHookType, DistributedType
 from lightning_accel.lightning_compat import set_process_group_backend
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
+from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
 from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision
+
+#: The arguments of Lightning's ``DDPStrategy`` (Trainer's or Fabric's) that the DDP family's strategies pass on.
+DDP_LIGHTNING_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "precision",
+    "start_method",
+)
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
@@ -192,6 +204,7 @@ class DDPFamilyAdapter:
 
     _family: DDPFamily
     _process_group_backend: str | None
+    __signature__ = LightningArguments(*DDP_LIGHTNING_ARGUMENTS)
 
     def __init__(
         self,
@@ -204,6 +217,7 @@ class DDPFamilyAdapter:
         checkpoint_io: CheckpointIO | None = None,
         **lightning_arguments: Any,
     ) -> None:
+        check_lightning_arguments(self, lightning_arguments)
         self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs, dynamo_plugin)
         super().__init__(  # type: ignore[call-arg]  # Lightning's DDPStrategy, after this class in the MRO
             checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),

@@ -61,6 +61,7 @@ from lightning_accel.strategies.deepspeed_prepare import (
     dummy_fills,
     resolve_prepare_config,
 )
+from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating, strategy_precision
 from lightning_accel.strategies.protocol import (
     ContextBackwardSync,
@@ -121,6 +122,17 @@ class _DeepSpeedFamilyAdapter:
     _family: DeepSpeedFamily
     #: Whether Lightning's strategy syncs gradients through a ``_backward_sync_control`` (Fabric's do).
     _syncs_through_control: ClassVar[bool] = False
+    __signature__ = LightningArguments(
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "precision_plugin",
+        "precision",
+        "remote_device",
+        "load_full_weights",
+        "exclude_frozen_parameters",
+        "logging_level",
+    )
 
     def __init__(
         self,
@@ -134,6 +146,7 @@ class _DeepSpeedFamilyAdapter:
         init_kwargs: InitProcessGroupKwargs | None = None,
         **lightning_arguments: Any,
     ) -> None:
+        check_lightning_arguments(self, lightning_arguments)
         self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
         process_group_backend, timeout = process_group_settings(init_kwargs, process_group_backend, timeout)
         super().__init__(  # type: ignore[call-arg]  # Lightning's DeepSpeedStrategy, after this class in the MRO

@@ -25,7 +25,9 @@ from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGr
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import set_backward_sync_control
 from lightning_accel.strategies.compile import apply_dynamo
+from lightning_accel.strategies.ddp_core import DDP_LIGHTNING_ARGUMENTS
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
+from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
 from lightning_accel.strategies.precision_bridge import strategy_precision
 from lightning_accel.strategies.protocol import ContextBackwardSync
 from lightning_accel.utils.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
@@ -369,6 +371,7 @@ class FSDPFamilyAdapter:
     _checkpoint_label = "acc_fsdp"
     #: Whether Lightning's strategy syncs gradients through a ``_backward_sync_control`` (Fabric's do).
     _syncs_through_control: ClassVar[bool] = False
+    __signature__ = LightningArguments(*DDP_LIGHTNING_ARGUMENTS)
 
     def __init__(
         self,
@@ -379,6 +382,7 @@ class FSDPFamilyAdapter:
         strategy_name: str = "acc_fsdp",
         **lightning_arguments: Any,
     ) -> None:
+        check_lightning_arguments(self, lightning_arguments)
         self._fsdp = FSDPFamily(fsdp_plugin, dynamo_plugin)
         super().__init__(  # type: ignore[call-arg]  # the DDP family's adapter, after this class in the MRO
             init_kwargs=init_kwargs, strategy_name=strategy_name, **lightning_arguments

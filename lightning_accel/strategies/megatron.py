@@ -35,6 +35,8 @@ from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGro
 from lightning_accel.config.megatron import MegatronLMPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
+from lightning_accel.strategies.ddp_core import DDP_LIGHTNING_ARGUMENTS
+from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
 from lightning_accel.strategies.megatron_core import MegatronFamily, clip_grad_norm_across_tensor_parallel
 from lightning_accel.strategies.registry import StrategyEntry
 
@@ -68,6 +70,7 @@ class _MegatronMembers:
     """
 
     _megatron: MegatronFamily
+    __signature__ = LightningArguments(*DDP_LIGHTNING_ARGUMENTS)
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class _MegatronMembers:
         strategy_name: str = "acc_megatron_lm",
         **lightning_arguments: Any,
     ) -> None:
+        check_lightning_arguments(self, lightning_arguments)
         self._megatron = MegatronFamily(megatron_lm_plugin, ddp_kwargs)
         super().__init__(  # type: ignore[call-arg]  # the DDP family's adapter, after this class in the MRO
             ddp_kwargs=ddp_kwargs, init_kwargs=init_kwargs, strategy_name=strategy_name, **lightning_arguments

@@ -24,6 +24,7 @@ from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismCo
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.fsdp_core import FSDPFamily
+from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
 from lightning_accel.strategies.precision_bridge import strategy_precision
 
 if TYPE_CHECKING:
@@ -297,6 +298,7 @@ class ParallelFamilyAdapter:
 
     _parallel: ParallelFamily
     _checkpoint_label = "acc_parallel"
+    __signature__ = LightningArguments("process_group_backend", "timeout")
 
     def __init__(
         self,
@@ -307,6 +309,7 @@ class ParallelFamilyAdapter:
         strategy_name: str = "acc_parallel",
         **lightning_arguments: Any,
     ) -> None:
+        check_lightning_arguments(self, lightning_arguments)
         self._parallel = ParallelFamily(parallelism_config, fsdp_plugin, tp_plan)
         self.strategy_name = strategy_name
         super().__init__(  # type: ignore[call-arg]  # Lightning's ModelParallelStrategy, after this class in the MRO

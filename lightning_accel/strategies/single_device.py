@@ -18,6 +18,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import get_root_device, lightning_private_members, set_root_device
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
+from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
 from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision, translating
 from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
@@ -56,6 +57,7 @@ class _SingleDeviceAdapter:
 
     distributed_type = DistributedType.NO
     parallel_devices: list[torch.device] | None
+    __signature__ = LightningArguments("accelerator", "precision_plugin", "precision")
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class _SingleDeviceAdapter:
         checkpoint_io: CheckpointIO | None = None,
         **lightning_arguments: Any,
     ) -> None:
+        check_lightning_arguments(self, lightning_arguments)
         super().__init__(  # type: ignore[call-arg]  # Lightning's SingleDeviceStrategy, after this class in the MRO
             device="cpu" if device is None else device,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
