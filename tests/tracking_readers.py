@@ -39,9 +39,10 @@ def wandb_offline_run(wandb_dir: Path) -> dict[str, Any]:
     """The project, name, config and history rows of the single offline run under ``<wandb_dir>/wandb``."""
     runs = sorted((wandb_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs
-    found: dict[str, Any] = {"config": {}, "history": [], "dir": runs[0].parent}
+    found: dict[str, Any] = {"config": {}, "history": [], "dir": runs[0].parent, "kinds": []}
     for record in wandb_records(runs[0]):
         kind = record.WhichOneof("record_type")
+        found["kinds"].append(kind)
         if kind == "run":
             found["project"], found["name"] = record.run.project, record.run.display_name
         elif kind == "config":
@@ -50,6 +51,7 @@ def wandb_offline_run(wandb_dir: Path) -> dict[str, Any]:
             row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
             found["history"].append({k: v for k, v in row.items() if k not in ("_runtime", "_timestamp")})
     found["config"].pop("_wandb", None)
+    assert "project" in found, f"no run record in {runs[0]} ({runs[0].stat().st_size} bytes): {found['kinds']}"
     return found
 
 
