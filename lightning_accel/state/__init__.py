@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_accel.enums import DistributedType, PrecisionType
 from lightning_accel.state.gradient import GradientState
@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 # The plugins AcceleratorState records (``None`` where the run has none).
 _PLUGIN_KEYS = (
@@ -293,6 +294,28 @@ class PartialState(_SharedState):
         yield _take(inputs, start, stop, width)
 
 
+class _PartialStateAnswer(Generic[_T]):
+    """A read-only ``AcceleratorState`` attribute that answers what ``PartialState()`` answers under the same name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> Self: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> _T: ...
+
+    def __get__(self, instance: object, owner: type | None = None) -> Self | _T:
+        if instance is None:
+            return self
+        answer: _T = getattr(PartialState(), self._name)
+        return answer
+
+    def __set__(self, instance: object, value: _T) -> None:
+        raise AttributeError(f"{type(instance).__name__}.{self._name} is PartialState's (read-only here)")
+
+
 class AcceleratorState(PartialState):
     """:class:`PartialState` plus the run's precision, plugins and the strategy's distributed type.
 
@@ -373,36 +396,13 @@ class AcceleratorState(PartialState):
         version = getattr(plugin, "fsdp_version", None)
         return self.distributed_type == DistributedType.FSDP and version == 2
 
-    @property
-    def fork_launched(self) -> bool:  # type: ignore[override]  # PartialState's attribute, read as Accelerate does
-        """Whether ``debug_launcher``/``notebook_launcher`` started this process (it owns the process group)."""
-        return bool(PartialState().fork_launched)
-
     # The process questions are PartialState's, so they keep their answers after ``AcceleratorState._reset_state()``
     # (as in Accelerate, whose AcceleratorState asks a ``PartialState()`` for them).
-    @property
-    @override
-    def use_distributed(self) -> bool:
-        """Whether more than one process takes part (:class:`PartialState`'s answer)."""
-        return PartialState().use_distributed
-
-    @property
-    @override
-    def is_main_process(self) -> bool:
-        """Whether this is the global main process (:class:`PartialState`'s answer)."""
-        return PartialState().is_main_process
-
-    @property
-    @override
-    def is_local_main_process(self) -> bool:
-        """Whether this is the main process of its node (:class:`PartialState`'s answer)."""
-        return PartialState().is_local_main_process
-
-    @property
-    @override
-    def is_last_process(self) -> bool:
-        """Whether this is the process with the highest rank (:class:`PartialState`'s answer)."""
-        return PartialState().is_last_process
+    fork_launched = _PartialStateAnswer[bool]()
+    use_distributed = _PartialStateAnswer[bool]()
+    is_main_process = _PartialStateAnswer[bool]()
+    is_local_main_process = _PartialStateAnswer[bool]()
+    is_last_process = _PartialStateAnswer[bool]()
 
     @override
     @contextmanager
