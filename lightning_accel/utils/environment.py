@@ -90,18 +90,8 @@ def get_current_device_type() -> tuple[str, str]:
     Checked in Accelerate's order: MLU, SDAA, MUSA, NPU, HPU, XPU, Neuron, and CUDA otherwise (also when there is no
     accelerator at all): ``("cuda", "MULTI_GPU")``, ``("npu", "MULTI_NPU")``, ...
     """
-    for device, check in (
-        ("mlu", imports.is_mlu_available),
-        ("sdaa", imports.is_sdaa_available),
-        ("musa", imports.is_musa_available),
-        ("npu", imports.is_npu_available),
-        ("hpu", imports.is_hpu_available),
-        ("xpu", imports.is_xpu_available),
-        ("neuron", imports.is_neuron_available),
-    ):
-        if check():
-            return device, f"MULTI_{device.upper()}"
-    return "cuda", "MULTI_GPU"
+    device = imports.first_available_device(("mlu", "sdaa", "musa", "npu", "hpu", "xpu", "neuron"))
+    return ("cuda", "MULTI_GPU") if device is None else (device, f"MULTI_{device.upper()}")
 
 
 def _nvidia_smi() -> str:
