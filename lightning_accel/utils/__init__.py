@@ -1,112 +1,264 @@
 """Mirror of ``accelerate.utils``: enums, configuration dataclasses and constants under their Accelerate names.
 
-Every submodule's public names are imported here; ``__all__`` is built from the submodules' ``__all__`` lists, less
-the few names that ``accelerate.utils`` leaves in its submodules (``_SUBMODULE_ONLY``), so each name is listed once,
-in the module that defines it. Three names are imported one by one: ``ParallelismConfig`` (Accelerate's comes
-from outside ``accelerate.utils``), ``load_full_state_dict`` (the checkpoint module's other names stay in it) and
-``tqdm`` (the function has its module's name).
+A submodule whose whole ``__all__`` ``accelerate.utils`` re-exports is star-imported and its ``__all__`` joins this
+one; from the others (whose modules hold names ``accelerate.utils`` leaves there) the names are imported one by one.
 """
 
-from importlib import import_module as _import_module
-
-from lightning_accel.config import ParallelismConfig as ParallelismConfig
-from lightning_accel.utils.ao import *  # noqa: F403
-from lightning_accel.utils.bnb import *  # noqa: F403
-from lightning_accel.utils.checkpoint import load_full_state_dict as load_full_state_dict
+from lightning_accel.config import ParallelismConfig
+from lightning_accel.utils import (
+    constants,
+    dataclasses,
+    deepspeed,
+    imports,
+    launch,
+    memory,
+    offload,
+    transformer_engine,
+)
+from lightning_accel.utils.ao import convert_model_to_fp8_ao, filter_first_and_last_linear_layers, has_ao_layers
+from lightning_accel.utils.bnb import has_4bit_bnb_layers, load_and_quantize_model
+from lightning_accel.utils.checkpoint import load_full_state_dict
 from lightning_accel.utils.constants import *  # noqa: F403
 from lightning_accel.utils.dataclasses import *  # noqa: F403
 from lightning_accel.utils.deepspeed import *  # noqa: F403
-from lightning_accel.utils.environment import *  # noqa: F403
-from lightning_accel.utils.fsdp_utils import *  # noqa: F403
+from lightning_accel.utils.environment import (
+    are_libraries_initialized,
+    check_cuda_p2p_ib_support,
+    clear_environment,
+    convert_dict_to_env_variables,
+    get_cpu_distributed_information,
+    get_current_device_type,
+    get_gpu_info,
+    get_int_from_env,
+    parse_choice_from_env,
+    parse_flag_from_env,
+    patch_environment,
+    purge_accelerate_environment,
+    set_numa_affinity,
+    str_to_bool,
+    write_basic_config,
+)
+from lightning_accel.utils.fsdp_utils import (
+    disable_fsdp_ram_efficient_loading,
+    enable_fsdp_ram_efficient_loading,
+    ensure_weights_retied,
+    fsdp2_apply_ac,
+    fsdp2_canonicalize_names,
+    fsdp2_load_full_state_dict,
+    fsdp2_prepare_model,
+    fsdp2_switch_optimizer_parameters,
+    get_fsdp2_grad_scaler,
+    load_fsdp_model,
+    load_fsdp_optimizer,
+    merge_fsdp_weights,
+    save_fsdp_model,
+    save_fsdp_optimizer,
+)
 from lightning_accel.utils.imports import *  # noqa: F403
 from lightning_accel.utils.launch import *  # noqa: F403
 from lightning_accel.utils.memory import *  # noqa: F403
-from lightning_accel.utils.modeling import *  # noqa: F403
+from lightning_accel.utils.modeling import (
+    align_module_device,
+    calculate_maximum_sizes,
+    check_device_map,
+    check_tied_parameters_in_config,
+    check_tied_parameters_on_same_device,
+    compute_module_sizes,
+    convert_file_size_to_int,
+    dtype_byte_size,
+    find_tied_parameters,
+    get_balanced_memory,
+    get_grad_scaler,
+    get_max_layer_size,
+    get_max_memory,
+    get_mixed_precision_context_manager,
+    has_offloaded_params,
+    id_tensor_storage,
+    infer_auto_device_map,
+    is_peft_model,
+    load_checkpoint_in_model,
+    load_offloaded_weights,
+    load_state_dict,
+    named_module_tensors,
+    retie_parameters,
+    set_module_tensor_to_device,
+    verify_device_map,
+)
 from lightning_accel.utils.offload import *  # noqa: F403
-from lightning_accel.utils.operations import *  # noqa: F403
-from lightning_accel.utils.other import *  # noqa: F403
-from lightning_accel.utils.random import *  # noqa: F403
-from lightning_accel.utils.tqdm import tqdm as tqdm
+from lightning_accel.utils.operations import (
+    CannotPadNestedTensorWarning,
+    DistributedOperationException,
+    GatheredParameters,
+    broadcast,
+    broadcast_object_list,
+    concatenate,
+    convert_outputs_to_fp32,
+    convert_to_fp32,
+    copy_tensor_to_devices,
+    find_batch_size,
+    find_device,
+    gather,
+    gather_object,
+    get_data_structure,
+    honor_type,
+    ignorant_find_batch_size,
+    initialize_tensors,
+    is_namedtuple,
+    is_tensor_information,
+    is_torch_tensor,
+    listify,
+    pad_across_processes,
+    pad_input_tensors,
+    recursively_apply,
+    reduce,
+    send_to_device,
+    slice_tensors,
+)
+from lightning_accel.utils.other import (
+    check_os_kernel,
+    clean_state_dict_for_safetensors,
+    compile_regions,
+    compile_regions_deepspeed,
+    compile_regions_fsdp2,
+    convert_bytes,
+    extract_model_from_parallel,
+    get_model_tp_size,
+    get_module_children_bottom_up,
+    get_pretty_name,
+    has_compiled_regions,
+    is_compiled_module,
+    is_port_in_use,
+    load,
+    merge_dicts,
+    model_has_dtensor,
+    recursive_getattr,
+    save,
+    wait_for_everyone,
+)
+from lightning_accel.utils.random import set_seed, synchronize_rng_state, synchronize_rng_states
+from lightning_accel.utils.tqdm import tqdm
 from lightning_accel.utils.transformer_engine import *  # noqa: F403
-from lightning_accel.utils.versions import *  # noqa: F403
+from lightning_accel.utils.versions import compare_versions
 
-# Public in a submodule (Accelerate's submodule has it too) but not re-exported by ``accelerate.utils`` itself.
-_SUBMODULE_ONLY = frozenset(
-    {
-        "CPUInformation",
-        "ConvertOutputsToFp32",
-        "TENSOR_INT_TO_DTYPE",
-        "TENSOR_TYPE_TO_INT",
-        "TORCH_SAFE_GLOBALS",
-        "USE_TORCH_XLA",
-        "accelerator_kwargs",
-        "apply_ac",
-        "apply_fsdp2",
-        "bnb_supports_device",
-        "chained_operation",
-        "check_device_same",
-        "clean_device_map",
-        "compute_module_total_buffer_size",
-        "default_config_file",
-        "env_from_settings",
-        "fallback_allocate",
-        "filter_linear_layers",
-        "find_first_last_linear_layers",
-        "fsdp2_prepare_auto_wrap_policy",
-        "gather_tensor_shape",
-        "get_driver_version",
-        "get_free_port",
-        "get_keys_to_not_convert",
-        "get_module_leaves",
-        "get_module_size_with_ties",
-        "get_non_persistent_buffers",
-        "get_parameters_from_modules",
-        "get_quantized_model_device_map",
-        "get_rng_states",
-        "get_shape",
-        "get_state_dict_from_offload",
-        "get_state_dict_offloaded_model",
-        "has_repeated_blocks",
-        "is_repeated_blocks",
-        "is_torch_xpu_tensor",
-        "override_numa_affinity",
-        "parallelism_config_from_env",
-        "replace_with_bnb_layers",
-        "resolve_settings",
-        "set_rng_states",
-        "settings_from_env",
-        "torch_device_from_env",
-        "torch_version",
-        "verify_operation",
-    }
-)
-
-_SUBMODULES = (
-    "ao",
-    "bnb",
-    "constants",
-    "dataclasses",
-    "deepspeed",
-    "environment",
-    "fsdp_utils",
-    "imports",
-    "launch",
-    "memory",
-    "modeling",
-    "offload",
-    "operations",
-    "other",
-    "random",
-    "transformer_engine",
-    "versions",
-)
-
-__all__ = sorted(
-    {
-        name
-        for module in _SUBMODULES
-        for name in _import_module(f"{__name__}.{module}").__all__
-        if name not in _SUBMODULE_ONLY
-    }
-    | {"ParallelismConfig", "load_full_state_dict", "tqdm"}
-)
+__all__ = [
+    *constants.__all__,
+    *dataclasses.__all__,
+    *deepspeed.__all__,
+    *imports.__all__,
+    *launch.__all__,
+    *memory.__all__,
+    *offload.__all__,
+    *transformer_engine.__all__,
+    "CannotPadNestedTensorWarning",
+    "DistributedOperationException",
+    "GatheredParameters",
+    "ParallelismConfig",
+    "align_module_device",
+    "are_libraries_initialized",
+    "broadcast",
+    "broadcast_object_list",
+    "calculate_maximum_sizes",
+    "check_cuda_p2p_ib_support",
+    "check_device_map",
+    "check_os_kernel",
+    "check_tied_parameters_in_config",
+    "check_tied_parameters_on_same_device",
+    "clean_state_dict_for_safetensors",
+    "clear_environment",
+    "compare_versions",
+    "compile_regions",
+    "compile_regions_deepspeed",
+    "compile_regions_fsdp2",
+    "compute_module_sizes",
+    "concatenate",
+    "convert_bytes",
+    "convert_dict_to_env_variables",
+    "convert_file_size_to_int",
+    "convert_model_to_fp8_ao",
+    "convert_outputs_to_fp32",
+    "convert_to_fp32",
+    "copy_tensor_to_devices",
+    "disable_fsdp_ram_efficient_loading",
+    "dtype_byte_size",
+    "enable_fsdp_ram_efficient_loading",
+    "ensure_weights_retied",
+    "extract_model_from_parallel",
+    "filter_first_and_last_linear_layers",
+    "find_batch_size",
+    "find_device",
+    "find_tied_parameters",
+    "fsdp2_apply_ac",
+    "fsdp2_canonicalize_names",
+    "fsdp2_load_full_state_dict",
+    "fsdp2_prepare_model",
+    "fsdp2_switch_optimizer_parameters",
+    "gather",
+    "gather_object",
+    "get_balanced_memory",
+    "get_cpu_distributed_information",
+    "get_current_device_type",
+    "get_data_structure",
+    "get_fsdp2_grad_scaler",
+    "get_gpu_info",
+    "get_grad_scaler",
+    "get_int_from_env",
+    "get_max_layer_size",
+    "get_max_memory",
+    "get_mixed_precision_context_manager",
+    "get_model_tp_size",
+    "get_module_children_bottom_up",
+    "get_pretty_name",
+    "has_4bit_bnb_layers",
+    "has_ao_layers",
+    "has_compiled_regions",
+    "has_offloaded_params",
+    "honor_type",
+    "id_tensor_storage",
+    "ignorant_find_batch_size",
+    "infer_auto_device_map",
+    "initialize_tensors",
+    "is_compiled_module",
+    "is_namedtuple",
+    "is_peft_model",
+    "is_port_in_use",
+    "is_tensor_information",
+    "is_torch_tensor",
+    "listify",
+    "load",
+    "load_and_quantize_model",
+    "load_checkpoint_in_model",
+    "load_fsdp_model",
+    "load_fsdp_optimizer",
+    "load_full_state_dict",
+    "load_offloaded_weights",
+    "load_state_dict",
+    "merge_dicts",
+    "merge_fsdp_weights",
+    "model_has_dtensor",
+    "named_module_tensors",
+    "pad_across_processes",
+    "pad_input_tensors",
+    "parse_choice_from_env",
+    "parse_flag_from_env",
+    "patch_environment",
+    "purge_accelerate_environment",
+    "recursive_getattr",
+    "recursively_apply",
+    "reduce",
+    "retie_parameters",
+    "save",
+    "save_fsdp_model",
+    "save_fsdp_optimizer",
+    "send_to_device",
+    "set_module_tensor_to_device",
+    "set_numa_affinity",
+    "set_seed",
+    "slice_tensors",
+    "str_to_bool",
+    "synchronize_rng_state",
+    "synchronize_rng_states",
+    "tqdm",
+    "verify_device_map",
+    "wait_for_everyone",
+    "write_basic_config",
+]

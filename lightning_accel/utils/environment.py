@@ -22,54 +22,24 @@ from dataclasses import dataclass, field
 import torch
 from packaging.version import parse
 
-from lightning_accel.launch_settings.env import (
-    convert_dict_to_env_variables,
-    get_int_from_env,
-    parse_choice_from_env,
-    parse_flag_from_env,
-    str_to_bool,
-    torch_device_from_env,
-)
-from lightning_accel.launch_settings.patching import clear_environment, patch_environment, purge_accelerate_environment
-from lightning_accel.launch_settings.resolution import (
-    accelerator_kwargs,
-    default_config_file,
-    env_from_settings,
-    parallelism_config_from_env,
-    resolve_settings,
-    settings_from_env,
-    write_basic_config,
-)
+from lightning_accel import launch_settings
+from lightning_accel.launch_settings import *  # noqa: F403
+from lightning_accel.launch_settings.env import get_int_from_env, parse_flag_from_env
 from lightning_accel.utils import imports
 from lightning_accel.utils.imports import check_cuda_fp8_capability
 
 __all__ = [
+    *launch_settings.__all__,
     "CPUInformation",
-    "accelerator_kwargs",
     "are_libraries_initialized",
     "check_cuda_fp8_capability",
     "check_cuda_p2p_ib_support",
-    "clear_environment",
-    "convert_dict_to_env_variables",
-    "default_config_file",
-    "env_from_settings",
     "get_cpu_distributed_information",
     "get_current_device_type",
     "get_driver_version",
     "get_gpu_info",
-    "get_int_from_env",
     "override_numa_affinity",
-    "parallelism_config_from_env",
-    "parse_choice_from_env",
-    "parse_flag_from_env",
-    "patch_environment",
-    "purge_accelerate_environment",
-    "resolve_settings",
     "set_numa_affinity",
-    "settings_from_env",
-    "str_to_bool",
-    "torch_device_from_env",
-    "write_basic_config",
 ]
 
 logger = logging.getLogger(__name__)
