@@ -9,7 +9,9 @@ the sizes into a torch ``DeviceMesh`` with Accelerate's dimension names and orde
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
+
+from typing_extensions import Self
 
 __all__ = [
     "DeepSpeedSequenceParallelConfig",
@@ -87,6 +89,27 @@ class DeepSpeedSequenceParallelConfig:
                 f"Invalid sp_attn_implementation: {attention}. Use one of {', '.join(_SP_ATTENTION)} or a hub-hosted"
                 " flash attention kernel such as 'kernels-community/flash-attn2'."
             )
+
+
+class _DimensionEnabled:
+    """A read-only ``<dimension>_enabled`` attribute: whether ``<dimension>_size`` is above 1."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._size = name.removesuffix("_enabled") + "_size"
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> Self: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> bool: ...
+
+    def __get__(self, instance: object, owner: type | None = None) -> Self | bool:
+        if instance is None:
+            return self
+        return bool(getattr(instance, self._size) > 1)
+
+    def __set__(self, instance: object, value: bool) -> None:
+        raise AttributeError(f"{self._size.removesuffix('_size')}_enabled follows {self._size}; set that instead")
 
 
 @dataclass
@@ -177,30 +200,12 @@ class ParallelismConfig:
             "sp": self.sp_size,
         }
 
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        """Whether the model is replicated (``dp_replicate_size > 1``)."""
-        return self.dp_replicate_size > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        """Whether the model is sharded (``dp_shard_size > 1``)."""
-        return self.dp_shard_size > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        """Whether tensor parallelism is on (``tp_size > 1``)."""
-        return self.tp_size > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        """Whether context parallelism is on (``cp_size > 1``)."""
-        return self.cp_size > 1
-
-    @property
-    def sp_enabled(self) -> bool:
-        """Whether sequence parallelism is on (``sp_size > 1``)."""
-        return self.sp_size > 1
+    # Whether each dimension is in use (its size is above 1): ``dp_replicate_enabled``, ``dp_shard_enabled``, ...
+    dp_replicate_enabled = _DimensionEnabled()
+    dp_shard_enabled = _DimensionEnabled()
+    tp_enabled = _DimensionEnabled()
+    cp_enabled = _DimensionEnabled()
+    sp_enabled = _DimensionEnabled()
 
     @property
     def total_size(self) -> int:
