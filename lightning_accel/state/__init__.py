@@ -254,22 +254,18 @@ class PartialState(_SharedState):
             ValueError: If ``process_index`` is missing.
 
         """
-        index = _required_index("process_index", process_index)
-        if function is None:
-            return functools.partial(self.on_process, process_index=index)
-        return self._only_where(function, lambda s: s.process_index == index)
+        return self._on_index(function, "process_index", process_index)
 
     def on_local_process(self, function: _F | None = None, local_process_index: int | None = None) -> Any:
-        """Decorate ``function`` to run on local rank ``local_process_index`` of every node only.
+        """Decorate ``function`` to run on local rank ``local_process_index`` of each node (see :meth:`on_process`)."""
+        return self._on_index(function, "local_process_index", local_process_index)
 
-        Raises:
-            ValueError: If ``local_process_index`` is missing.
-
-        """
-        index = _required_index("local_process_index", local_process_index)
+    def _on_index(self, function: _F | None, attribute: str, index: int | None) -> Any:
+        """Run ``function`` where this state's ``attribute`` is ``index`` (a decorator factory without ``function``)."""
+        wanted = _required_index(attribute, index)
         if function is None:
-            return functools.partial(self.on_local_process, local_process_index=index)
-        return self._only_where(function, lambda s: s.local_process_index == index)
+            return functools.partial(self._on_index, attribute=attribute, index=wanted)
+        return self._only_where(function, lambda state: getattr(state, attribute) == wanted)
 
     @contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Generator[Any, None, None]:
