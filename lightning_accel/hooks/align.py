@@ -195,6 +195,11 @@ class AlignDevicesHook(ModelHook):
         return module
 
 
+def _preloads(module: nn.Module, preload_module_classes: list[str] | None) -> bool:
+    """Whether ``module``'s class is one of ``preload_module_classes`` (it loads its submodules' weights itself)."""
+    return preload_module_classes is not None and type(module).__name__ in preload_module_classes
+
+
 def attach_execution_device_hook(
     module: nn.Module,
     execution_device: DeviceLike | None,
@@ -216,7 +221,7 @@ def attach_execution_device_hook(
     if not hasattr(module, "_hf_hook") and len(module.state_dict()) > 0:
         hook = AlignDevicesHook(execution_device, skip_keys=skip_keys, tied_params_map=tied_params_map)
         add_hook_to_module(module, hook)
-    if preload_module_classes is not None and type(module).__name__ in preload_module_classes:
+    if _preloads(module, preload_module_classes):
         return
     for child in module.children():
         attach_execution_device_hook(child, execution_device, skip_keys, preload_module_classes, tied_params_map)
@@ -233,8 +238,8 @@ class _Walk:
     tied_params_map: TiedParamsMap | None
 
     def preloads(self, module: nn.Module) -> bool:
-        """Whether ``module``'s class loads its submodules' weights itself (its submodules get no hooks)."""
-        return self.preload_module_classes is not None and type(module).__name__ in self.preload_module_classes
+        """Whether ``module``'s class loads its submodules' weights itself (see :func:`_preloads`)."""
+        return _preloads(module, self.preload_module_classes)
 
 
 def _named_children(module: nn.Module, module_name: str) -> Iterator[tuple[str, nn.Module]]:
