@@ -47,6 +47,10 @@ from lightning_accel.utils.modeling import (
     load_checkpoint_in_model,
     retie_parameters,
 )
+
+# Importable from here, as from ``accelerate.big_modeling`` (which imports them).
+from lightning_accel.utils.modeling import get_balanced_memory as get_balanced_memory
+from lightning_accel.utils.modeling import infer_auto_device_map as infer_auto_device_map
 from lightning_accel.utils.modeling.device_map import DEVICE_MAP_STRATEGIES, strategy_device_map
 from lightning_accel.utils.modeling.sizes import DtypeLike
 from lightning_accel.utils.modeling.tensors import (

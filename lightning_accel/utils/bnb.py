@@ -24,6 +24,10 @@ from lightning_accel.config.quantization import BnbQuantizationConfig
 from lightning_accel.utils.imports import is_4bit_bnb_available, is_8bit_bnb_available, is_bnb_available
 from lightning_accel.utils.modeling.checkpoint import load_checkpoint_in_model
 from lightning_accel.utils.modeling.device_map import DEVICE_MAP_STRATEGIES, strategy_device_map
+
+# Importable from here, as from ``accelerate.utils.bnb`` (which imports them).
+from lightning_accel.utils.modeling.device_map import infer_auto_device_map as infer_auto_device_map
+from lightning_accel.utils.modeling.sizes import get_balanced_memory as get_balanced_memory
 from lightning_accel.utils.modeling.tensors import DeviceLike, find_tied_parameters, resolve_device
 
 __all__ = [
