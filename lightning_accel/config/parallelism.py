@@ -9,9 +9,9 @@ the sizes into a torch ``DeviceMesh`` with Accelerate's dimension names and orde
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal
 
-from typing_extensions import Self
+from lightning_accel.config._derived import DerivedAttribute
 
 __all__ = [
     "DeepSpeedSequenceParallelConfig",
@@ -91,25 +91,9 @@ class DeepSpeedSequenceParallelConfig:
             )
 
 
-class _DimensionEnabled:
-    """A read-only ``<dimension>_enabled`` attribute: whether ``<dimension>_size`` is above 1."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._size = name.removesuffix("_enabled") + "_size"
-
-    @overload
-    def __get__(self, instance: None, owner: type) -> Self: ...
-
-    @overload
-    def __get__(self, instance: object, owner: type | None = None) -> bool: ...
-
-    def __get__(self, instance: object, owner: type | None = None) -> Self | bool:
-        if instance is None:
-            return self
-        return bool(getattr(instance, self._size) > 1)
-
-    def __set__(self, instance: object, value: bool) -> None:
-        raise AttributeError(f"{self._size.removesuffix('_size')}_enabled follows {self._size}; set that instead")
+def _dimension_enabled(config: ParallelismConfig, name: str) -> bool:
+    """``<dimension>_enabled``: whether ``<dimension>_size`` is above 1."""
+    return bool(getattr(config, name.removesuffix("_enabled") + "_size") > 1)
 
 
 @dataclass
@@ -201,11 +185,11 @@ class ParallelismConfig:
         }
 
     # Whether each dimension is in use (its size is above 1): ``dp_replicate_enabled``, ``dp_shard_enabled``, ...
-    dp_replicate_enabled = _DimensionEnabled()
-    dp_shard_enabled = _DimensionEnabled()
-    tp_enabled = _DimensionEnabled()
-    cp_enabled = _DimensionEnabled()
-    sp_enabled = _DimensionEnabled()
+    dp_replicate_enabled = DerivedAttribute(_dimension_enabled)
+    dp_shard_enabled = DerivedAttribute(_dimension_enabled)
+    tp_enabled = DerivedAttribute(_dimension_enabled)
+    cp_enabled = DerivedAttribute(_dimension_enabled)
+    sp_enabled = DerivedAttribute(_dimension_enabled)
 
     @property
     def total_size(self) -> int:

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Generic, TypeVar, overload
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,9 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
-from typing_extensions import Self, override
+from typing_extensions import override
 
+from lightning_accel.config._derived import DerivedAttribute
 from lightning_accel.enums import DistributedType, PrecisionType
 from lightning_accel.state.gradient import GradientState
 from lightning_accel.state.shared import SharedDict, ThreadLocalSharedDict, _SharedState
@@ -49,7 +50,6 @@ __all__ = [
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_T = TypeVar("_T")
 
 # The plugins AcceleratorState records (``None`` where the run has none).
 _PLUGIN_KEYS = (
@@ -137,6 +137,10 @@ class PartialState(_SharedState):
         self.num_processes = num_processes
         self.process_index = process_index
         self.local_process_index = local_index
+        self._share_configuration()
+
+    def _share_configuration(self) -> None:
+        """Hand what :meth:`_configure` recorded to a state that shares it (``AcceleratorState``: to PartialState)."""
 
     @property
     def use_distributed(self) -> bool:
@@ -290,26 +294,9 @@ class PartialState(_SharedState):
         yield _take(inputs, start, stop, width)
 
 
-class _PartialStateAnswer(Generic[_T]):
-    """A read-only ``AcceleratorState`` attribute that answers what ``PartialState()`` answers under the same name."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, instance: None, owner: type) -> Self: ...
-
-    @overload
-    def __get__(self, instance: object, owner: type | None = None) -> _T: ...
-
-    def __get__(self, instance: object, owner: type | None = None) -> Self | _T:
-        if instance is None:
-            return self
-        answer: _T = getattr(PartialState(), self._name)
-        return answer
-
-    def __set__(self, instance: object, value: _T) -> None:
-        raise AttributeError(f"{type(instance).__name__}.{self._name} is PartialState's (read-only here)")
+def _partial_state_answer(state: AcceleratorState, name: str) -> bool:
+    """``PartialState()``'s answer under ``name`` (it stays after ``AcceleratorState._reset_state()``)."""
+    return bool(getattr(PartialState(), name))
 
 
 class AcceleratorState(PartialState):
@@ -394,11 +381,11 @@ class AcceleratorState(PartialState):
 
     # The process questions are PartialState's, so they keep their answers after ``AcceleratorState._reset_state()``
     # (as in Accelerate, whose AcceleratorState asks a ``PartialState()`` for them).
-    fork_launched = _PartialStateAnswer[bool]()
-    use_distributed = _PartialStateAnswer[bool]()
-    is_main_process = _PartialStateAnswer[bool]()
-    is_local_main_process = _PartialStateAnswer[bool]()
-    is_last_process = _PartialStateAnswer[bool]()
+    fork_launched = DerivedAttribute(_partial_state_answer)
+    use_distributed = DerivedAttribute(_partial_state_answer)
+    is_main_process = DerivedAttribute(_partial_state_answer)
+    is_local_main_process = DerivedAttribute(_partial_state_answer)
+    is_last_process = DerivedAttribute(_partial_state_answer)
 
     @override
     @contextmanager
@@ -413,27 +400,10 @@ class AcceleratorState(PartialState):
         PartialState().destroy_process_group(group)
 
     @override
-    def _configure(
-        self,
-        distributed_type: DistributedType,
-        device: torch.device,
-        *,
-        num_processes: int,
-        process_index: int,
-        local_index: int,
-        debug: bool = False,
-    ) -> None:
-        super()._configure(
-            distributed_type,
-            device,
-            num_processes=num_processes,
-            process_index=process_index,
-            local_index=local_index,
-            debug=debug,
-        )
+    def _share_configuration(self) -> None:
         # The processes are the same for both states; only the distributed type is the strategy's here.
         partial = PartialState()
-        partial.debug, partial.device = debug, device
+        partial.debug, partial.device = self.debug, self.device
 
     @classmethod
     @override
