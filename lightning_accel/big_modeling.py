@@ -44,11 +44,14 @@ from lightning_accel.utils.environment import parse_flag_from_env
 from lightning_accel.utils.modeling import (
     check_device_map,
     find_tied_parameters,
-    get_balanced_memory,
-    infer_auto_device_map,
     load_checkpoint_in_model,
     retie_parameters,
 )
+
+# Importable from here, as from ``accelerate.big_modeling`` (which imports them).
+from lightning_accel.utils.modeling import get_balanced_memory as get_balanced_memory
+from lightning_accel.utils.modeling import infer_auto_device_map as infer_auto_device_map
+from lightning_accel.utils.modeling.device_map import DEVICE_MAP_STRATEGIES, strategy_device_map
 from lightning_accel.utils.modeling.sizes import DtypeLike
 from lightning_accel.utils.modeling.tensors import (
     DeviceLike,
@@ -71,7 +74,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _OFFLOAD_INDEX = "index.json"
 
 
@@ -512,21 +514,14 @@ def load_checkpoint_and_dispatch(
 
     """
     if isinstance(device_map, str):
-        if device_map not in _DEVICE_MAP_STRATEGIES:
+        if device_map not in DEVICE_MAP_STRATEGIES:
             raise ValueError(
                 "If passing a string for `device_map`, please choose 'auto', 'balanced', 'balanced_low_0' or "
                 f"'sequential' (got {device_map!r})."
             )
-        if device_map != "sequential":
-            max_memory = get_balanced_memory(
-                model,
-                max_memory=max_memory,
-                no_split_module_classes=no_split_module_classes,
-                dtype=dtype,
-                low_zero=device_map == "balanced_low_0",
-            )
-        device_map = infer_auto_device_map(
+        device_map = strategy_device_map(
             model,
+            device_map,
             max_memory=max_memory,
             no_split_module_classes=no_split_module_classes,
             dtype=dtype,

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_accel.config._derived import DerivedAttribute
+
 __all__ = [
     "DeepSpeedSequenceParallelConfig",
     "ParallelismConfig",
@@ -87,6 +89,11 @@ class DeepSpeedSequenceParallelConfig:
                 f"Invalid sp_attn_implementation: {attention}. Use one of {', '.join(_SP_ATTENTION)} or a hub-hosted"
                 " flash attention kernel such as 'kernels-community/flash-attn2'."
             )
+
+
+def _dimension_enabled(config: ParallelismConfig, name: str) -> bool:
+    """``<dimension>_enabled``: whether ``<dimension>_size`` is above 1."""
+    return bool(getattr(config, name.removesuffix("_enabled") + "_size") > 1)
 
 
 @dataclass
@@ -177,30 +184,12 @@ class ParallelismConfig:
             "sp": self.sp_size,
         }
 
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        """Whether the model is replicated (``dp_replicate_size > 1``)."""
-        return self.dp_replicate_size > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        """Whether the model is sharded (``dp_shard_size > 1``)."""
-        return self.dp_shard_size > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        """Whether tensor parallelism is on (``tp_size > 1``)."""
-        return self.tp_size > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        """Whether context parallelism is on (``cp_size > 1``)."""
-        return self.cp_size > 1
-
-    @property
-    def sp_enabled(self) -> bool:
-        """Whether sequence parallelism is on (``sp_size > 1``)."""
-        return self.sp_size > 1
+    # Whether each dimension is in use (its size is above 1): ``dp_replicate_enabled``, ``dp_shard_enabled``, ...
+    dp_replicate_enabled = DerivedAttribute(_dimension_enabled)
+    dp_shard_enabled = DerivedAttribute(_dimension_enabled)
+    tp_enabled = DerivedAttribute(_dimension_enabled)
+    cp_enabled = DerivedAttribute(_dimension_enabled)
+    sp_enabled = DerivedAttribute(_dimension_enabled)
 
     @property
     def total_size(self) -> int:

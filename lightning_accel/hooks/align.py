@@ -8,7 +8,8 @@ the module holding meta tensors in between.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -194,6 +195,11 @@ class AlignDevicesHook(ModelHook):
         return module
 
 
+def _preloads(module: nn.Module, preload_module_classes: list[str] | None) -> bool:
+    """Whether ``module``'s class is one of ``preload_module_classes`` (it loads its submodules' weights itself)."""
+    return preload_module_classes is not None and type(module).__name__ in preload_module_classes
+
+
 def attach_execution_device_hook(
     module: nn.Module,
     execution_device: DeviceLike | None,
@@ -215,10 +221,31 @@ def attach_execution_device_hook(
     if not hasattr(module, "_hf_hook") and len(module.state_dict()) > 0:
         hook = AlignDevicesHook(execution_device, skip_keys=skip_keys, tied_params_map=tied_params_map)
         add_hook_to_module(module, hook)
-    if preload_module_classes is not None and type(module).__name__ in preload_module_classes:
+    if _preloads(module, preload_module_classes):
         return
     for child in module.children():
         attach_execution_device_hook(child, execution_device, skip_keys, preload_module_classes, tied_params_map)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What an ``attach_align_device_hook*`` walk hands down to every submodule unchanged."""
+
+    weights_map: Mapping[str, torch.Tensor] | None
+    offload_buffers: bool
+    skip_keys: str | list[str] | None
+    preload_module_classes: list[str] | None
+    tied_params_map: TiedParamsMap | None
+
+    def preloads(self, module: nn.Module) -> bool:
+        """Whether ``module``'s class loads its submodules' weights itself (see :func:`_preloads`)."""
+        return _preloads(module, self.preload_module_classes)
+
+
+def _named_children(module: nn.Module, module_name: str) -> Iterator[tuple[str, nn.Module]]:
+    """``module``'s children with their names in the model (``module`` being ``module_name``)."""
+    for child_name, child in module.named_children():
+        yield (f"{module_name}.{child_name}" if module_name else child_name), child
 
 
 def attach_align_device_hook(
@@ -247,33 +274,30 @@ def attach_align_device_hook(
         tied_params_map: Shared per-device copies of tied weights.
 
     """
-    preload = offload and preload_module_classes is not None and type(module).__name__ in preload_module_classes
+    walk = _Walk(weights_map, offload_buffers, skip_keys, preload_module_classes, tied_params_map)
+    _attach_aligned(module, execution_device, offload, module_name, walk)
+
+
+def _attach_aligned(
+    module: nn.Module, execution_device: DeviceLike | None, offload: bool, module_name: str, walk: _Walk
+) -> None:
+    preload = offload and walk.preloads(module)
     if any(True for _ in named_module_tensors(module)) or preload:
         prefix = f"{module_name}." if module_name else ""
         hook = AlignDevicesHook(
             execution_device=execution_device,
             offload=offload,
-            weights_map=PrefixedDataset(weights_map, prefix) if weights_map is not None else None,
-            offload_buffers=offload_buffers,
+            weights_map=PrefixedDataset(walk.weights_map, prefix) if walk.weights_map is not None else None,
+            offload_buffers=walk.offload_buffers,
             place_submodules=preload,
-            skip_keys=skip_keys,
-            tied_params_map=tied_params_map,
+            skip_keys=walk.skip_keys,
+            tied_params_map=walk.tied_params_map,
         )
         add_hook_to_module(module, hook, append=True)
     if preload:
         return
-    for child_name, child in module.named_children():
-        attach_align_device_hook(
-            child,
-            execution_device=execution_device,
-            offload=offload,
-            weights_map=weights_map,
-            offload_buffers=offload_buffers,
-            module_name=f"{module_name}.{child_name}" if module_name else child_name,
-            skip_keys=skip_keys,
-            preload_module_classes=preload_module_classes,
-            tied_params_map=tied_params_map,
-        )
+    for child_name, child in _named_children(module, module_name):
+        _attach_aligned(child, execution_device, offload, child_name, walk)
 
 
 def attach_align_device_hook_on_blocks(
@@ -304,19 +328,10 @@ def attach_align_device_hook_on_blocks(
         tied_params_map: Shared per-device copies of tied weights.
 
     """
+    walk = _Walk(weights_map, offload_buffers, skip_keys, preload_module_classes, tied_params_map)
     if not isinstance(execution_device, Mapping) and not isinstance(offload, Mapping):
         if offload:
-            attach_align_device_hook(
-                module,
-                execution_device,
-                True,
-                weights_map,
-                offload_buffers,
-                module_name,
-                skip_keys,
-                None,
-                tied_params_map,
-            )
+            _attach_aligned(module, execution_device, True, module_name, replace(walk, preload_module_classes=None))
         else:
             hook = AlignDevicesHook(
                 execution_device,
@@ -330,53 +345,44 @@ def attach_align_device_hook_on_blocks(
 
     devices = execution_device if isinstance(execution_device, Mapping) else dict.fromkeys(offload, execution_device)  # type: ignore[arg-type]
     offloads = offload if isinstance(offload, Mapping) else dict.fromkeys(devices, offload)
+    _attach_on_blocks(module, devices, offloads, module_name, walk)
+
+
+def _attach_on_blocks(
+    module: nn.Module,
+    devices: Mapping[str, DeviceLike | None],
+    offloads: Mapping[str, bool],
+    module_name: str,
+    walk: _Walk,
+) -> None:
     at_root = module_name == ""
     if module_name in devices and module_name in offloads:
         device = devices[module_name]
         if not offloads[module_name]:
             hook = AlignDevicesHook(
                 device,
-                offload_buffers=offload_buffers,
+                offload_buffers=walk.offload_buffers,
                 io_same_device=at_root,
                 place_submodules=True,
-                skip_keys=skip_keys,
-                tied_params_map=tied_params_map,
+                skip_keys=walk.skip_keys,
+                tied_params_map=walk.tied_params_map,
             )
             add_hook_to_module(module, hook)
-            attach_execution_device_hook(module, device, skip_keys=skip_keys, tied_params_map=tied_params_map)
+            attach_execution_device_hook(module, device, skip_keys=walk.skip_keys, tied_params_map=walk.tied_params_map)
         else:
-            attach_align_device_hook(
-                module,
-                device,
-                True,
-                weights_map,
-                offload_buffers,
-                module_name,
-                skip_keys,
-                preload_module_classes,
-                tied_params_map,
-            )
+            _attach_aligned(module, device, True, module_name, walk)
             if not hasattr(module, "_hf_hook"):
                 hook = AlignDevicesHook(
-                    device, io_same_device=at_root, skip_keys=skip_keys, tied_params_map=tied_params_map
+                    device, io_same_device=at_root, skip_keys=walk.skip_keys, tied_params_map=walk.tied_params_map
                 )
                 add_hook_to_module(module, hook)
-            attach_execution_device_hook(module, device, skip_keys, preload_module_classes, tied_params_map)
+            attach_execution_device_hook(
+                module, device, walk.skip_keys, walk.preload_module_classes, walk.tied_params_map
+            )
     elif at_root:
         hook = AlignDevicesHook(
-            devices.get(""), io_same_device=True, skip_keys=skip_keys, tied_params_map=tied_params_map
+            devices.get(""), io_same_device=True, skip_keys=walk.skip_keys, tied_params_map=walk.tied_params_map
         )
         add_hook_to_module(module, hook)
-
-    for child_name, child in module.named_children():
-        attach_align_device_hook_on_blocks(
-            child,
-            execution_device=devices,
-            offload=offloads,
-            weights_map=weights_map,
-            offload_buffers=offload_buffers,
-            module_name=f"{module_name}.{child_name}" if module_name else child_name,
-            skip_keys=skip_keys,
-            preload_module_classes=preload_module_classes,
-            tied_params_map=tied_params_map,
-        )
+    for child_name, child in _named_children(module, module_name):
+        _attach_on_blocks(child, devices, offloads, child_name, walk)

@@ -32,6 +32,7 @@ from lightning.fabric.plugins.environments import (
 )
 from typing_extensions import override
 
+from lightning_accel.config._derived import DerivedAttribute
 from lightning_accel.enums import DistributedType, PrecisionType
 from lightning_accel.state.gradient import GradientState
 from lightning_accel.state.shared import SharedDict, ThreadLocalSharedDict, _SharedState
@@ -136,6 +137,10 @@ class PartialState(_SharedState):
         self.num_processes = num_processes
         self.process_index = process_index
         self.local_process_index = local_index
+        self._share_configuration()
+
+    def _share_configuration(self) -> None:
+        """Hand what :meth:`_configure` recorded to a state that shares it (``AcceleratorState``: to PartialState)."""
 
     @property
     def use_distributed(self) -> bool:
@@ -253,22 +258,18 @@ class PartialState(_SharedState):
             ValueError: If ``process_index`` is missing.
 
         """
-        index = _required_index("process_index", process_index)
-        if function is None:
-            return functools.partial(self.on_process, process_index=index)
-        return self._only_where(function, lambda s: s.process_index == index)
+        return self._on_index(function, "process_index", process_index)
 
     def on_local_process(self, function: _F | None = None, local_process_index: int | None = None) -> Any:
-        """Decorate ``function`` to run on local rank ``local_process_index`` of every node only.
+        """Decorate ``function`` to run on local rank ``local_process_index`` of each node (see :meth:`on_process`)."""
+        return self._on_index(function, "local_process_index", local_process_index)
 
-        Raises:
-            ValueError: If ``local_process_index`` is missing.
-
-        """
-        index = _required_index("local_process_index", local_process_index)
+    def _on_index(self, function: _F | None, attribute: str, index: int | None) -> Any:
+        """Run ``function`` where this state's ``attribute`` is ``index`` (a decorator factory without ``function``)."""
+        wanted = _required_index(attribute, index)
         if function is None:
-            return functools.partial(self.on_local_process, local_process_index=index)
-        return self._only_where(function, lambda s: s.local_process_index == index)
+            return functools.partial(self._on_index, attribute=attribute, index=wanted)
+        return self._only_where(function, lambda state: getattr(state, attribute) == wanted)
 
     @contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Generator[Any, None, None]:
@@ -291,6 +292,11 @@ class PartialState(_SharedState):
         stop = start + per_process + (1 if self.process_index < extras else 0)
         width = per_process + (1 if extras else 0) if apply_padding else 0
         yield _take(inputs, start, stop, width)
+
+
+def _partial_state_answer(state: AcceleratorState, name: str) -> bool:
+    """``PartialState()``'s answer under ``name`` (it stays after ``AcceleratorState._reset_state()``)."""
+    return bool(getattr(PartialState(), name))
 
 
 class AcceleratorState(PartialState):
@@ -373,36 +379,13 @@ class AcceleratorState(PartialState):
         version = getattr(plugin, "fsdp_version", None)
         return self.distributed_type == DistributedType.FSDP and version == 2
 
-    @property
-    def fork_launched(self) -> bool:  # type: ignore[override]  # PartialState's attribute, read as Accelerate does
-        """Whether ``debug_launcher``/``notebook_launcher`` started this process (it owns the process group)."""
-        return bool(PartialState().fork_launched)
-
     # The process questions are PartialState's, so they keep their answers after ``AcceleratorState._reset_state()``
     # (as in Accelerate, whose AcceleratorState asks a ``PartialState()`` for them).
-    @property
-    @override
-    def use_distributed(self) -> bool:
-        """Whether more than one process takes part (:class:`PartialState`'s answer)."""
-        return PartialState().use_distributed
-
-    @property
-    @override
-    def is_main_process(self) -> bool:
-        """Whether this is the global main process (:class:`PartialState`'s answer)."""
-        return PartialState().is_main_process
-
-    @property
-    @override
-    def is_local_main_process(self) -> bool:
-        """Whether this is the main process of its node (:class:`PartialState`'s answer)."""
-        return PartialState().is_local_main_process
-
-    @property
-    @override
-    def is_last_process(self) -> bool:
-        """Whether this is the process with the highest rank (:class:`PartialState`'s answer)."""
-        return PartialState().is_last_process
+    fork_launched = DerivedAttribute(_partial_state_answer)
+    use_distributed = DerivedAttribute(_partial_state_answer)
+    is_main_process = DerivedAttribute(_partial_state_answer)
+    is_local_main_process = DerivedAttribute(_partial_state_answer)
+    is_last_process = DerivedAttribute(_partial_state_answer)
 
     @override
     @contextmanager
@@ -417,27 +400,10 @@ class AcceleratorState(PartialState):
         PartialState().destroy_process_group(group)
 
     @override
-    def _configure(
-        self,
-        distributed_type: DistributedType,
-        device: torch.device,
-        *,
-        num_processes: int,
-        process_index: int,
-        local_index: int,
-        debug: bool = False,
-    ) -> None:
-        super()._configure(
-            distributed_type,
-            device,
-            num_processes=num_processes,
-            process_index=process_index,
-            local_index=local_index,
-            debug=debug,
-        )
+    def _share_configuration(self) -> None:
         # The processes are the same for both states; only the distributed type is the strategy's here.
         partial = PartialState()
-        partial.debug, partial.device = debug, device
+        partial.debug, partial.device = self.debug, self.device
 
     @classmethod
     @override

@@ -23,8 +23,11 @@ from torch import nn
 from lightning_accel.config.quantization import BnbQuantizationConfig
 from lightning_accel.utils.imports import is_4bit_bnb_available, is_8bit_bnb_available, is_bnb_available
 from lightning_accel.utils.modeling.checkpoint import load_checkpoint_in_model
-from lightning_accel.utils.modeling.device_map import infer_auto_device_map
-from lightning_accel.utils.modeling.sizes import get_balanced_memory
+from lightning_accel.utils.modeling.device_map import DEVICE_MAP_STRATEGIES, strategy_device_map
+
+# Importable from here, as from ``accelerate.utils.bnb`` (which imports them).
+from lightning_accel.utils.modeling.device_map import infer_auto_device_map as infer_auto_device_map
+from lightning_accel.utils.modeling.sizes import get_balanced_memory as get_balanced_memory
 from lightning_accel.utils.modeling.tensors import DeviceLike, find_tied_parameters, resolve_device
 
 __all__ = [
@@ -38,7 +41,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 # The bitsandbytes operator each mode's forward needs (registered through torch.library from bitsandbytes 0.45 on).
 _MODE_OPERATORS = {"8-bit": "bitsandbytes::int8_linear_matmul", "4-bit": "bitsandbytes::dequantize_4bit"}
 
@@ -221,20 +223,12 @@ def get_quantized_model_device_map(
     if device_map is None:
         return {"": _default_device().index if _default_device().type != "cpu" else "cpu"}
     if isinstance(device_map, str):
-        if device_map not in _DEVICE_MAP_STRATEGIES:
-            raise ValueError(f"device_map must be a dict or one of {list(_DEVICE_MAP_STRATEGIES)}, got {device_map!r}.")
+        if device_map not in DEVICE_MAP_STRATEGIES:
+            raise ValueError(f"device_map must be a dict or one of {list(DEVICE_MAP_STRATEGIES)}, got {device_map!r}.")
         assert isinstance(bnb_quantization_config.torch_dtype, torch.dtype)
         special = _special_dtypes(model, skip, keep_in_fp32, bnb_quantization_config.torch_dtype)
         dtype = bnb_quantization_config.target_dtype
-        if device_map != "sequential":
-            max_memory = get_balanced_memory(
-                model, max_memory=max_memory, no_split_module_classes=no_split_module_classes, dtype=dtype,  # type: ignore[arg-type]
-                special_dtypes=special, low_zero=device_map == "balanced_low_0",
-            )  # fmt: skip
-        device_map = infer_auto_device_map(
-            model, max_memory=max_memory, no_split_module_classes=no_split_module_classes, dtype=dtype,  # type: ignore[arg-type]
-            special_dtypes=special,
-        )  # fmt: skip
+        device_map = strategy_device_map(model, device_map, max_memory, no_split_module_classes, dtype, special)  # type: ignore[arg-type]
     device_map = dict(device_map)
     offloaded = _offloaded_places(device_map)
     quantized = {name: device for name, device in device_map.items() if name not in skip + keep_in_fp32}

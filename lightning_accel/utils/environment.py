@@ -22,54 +22,24 @@ from dataclasses import dataclass, field
 import torch
 from packaging.version import parse
 
-from lightning_accel.launch_settings.env import (
-    convert_dict_to_env_variables,
-    get_int_from_env,
-    parse_choice_from_env,
-    parse_flag_from_env,
-    str_to_bool,
-    torch_device_from_env,
-)
-from lightning_accel.launch_settings.patching import clear_environment, patch_environment, purge_accelerate_environment
-from lightning_accel.launch_settings.resolution import (
-    accelerator_kwargs,
-    default_config_file,
-    env_from_settings,
-    parallelism_config_from_env,
-    resolve_settings,
-    settings_from_env,
-    write_basic_config,
-)
+from lightning_accel import launch_settings
+from lightning_accel.launch_settings import *  # noqa: F403
+from lightning_accel.launch_settings.env import get_int_from_env, parse_flag_from_env
 from lightning_accel.utils import imports
 from lightning_accel.utils.imports import check_cuda_fp8_capability
 
 __all__ = [
+    *launch_settings.__all__,
     "CPUInformation",
-    "accelerator_kwargs",
     "are_libraries_initialized",
     "check_cuda_fp8_capability",
     "check_cuda_p2p_ib_support",
-    "clear_environment",
-    "convert_dict_to_env_variables",
-    "default_config_file",
-    "env_from_settings",
     "get_cpu_distributed_information",
     "get_current_device_type",
     "get_driver_version",
     "get_gpu_info",
-    "get_int_from_env",
     "override_numa_affinity",
-    "parallelism_config_from_env",
-    "parse_choice_from_env",
-    "parse_flag_from_env",
-    "patch_environment",
-    "purge_accelerate_environment",
-    "resolve_settings",
     "set_numa_affinity",
-    "settings_from_env",
-    "str_to_bool",
-    "torch_device_from_env",
-    "write_basic_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,18 +60,8 @@ def get_current_device_type() -> tuple[str, str]:
     Checked in Accelerate's order: MLU, SDAA, MUSA, NPU, HPU, XPU, Neuron, and CUDA otherwise (also when there is no
     accelerator at all): ``("cuda", "MULTI_GPU")``, ``("npu", "MULTI_NPU")``, ...
     """
-    for device, check in (
-        ("mlu", imports.is_mlu_available),
-        ("sdaa", imports.is_sdaa_available),
-        ("musa", imports.is_musa_available),
-        ("npu", imports.is_npu_available),
-        ("hpu", imports.is_hpu_available),
-        ("xpu", imports.is_xpu_available),
-        ("neuron", imports.is_neuron_available),
-    ):
-        if check():
-            return device, f"MULTI_{device.upper()}"
-    return "cuda", "MULTI_GPU"
+    device = imports.first_available_device(("mlu", "sdaa", "musa", "npu", "hpu", "xpu", "neuron"))
+    return ("cuda", "MULTI_GPU") if device is None else (device, f"MULTI_{device.upper()}")
 
 
 def _nvidia_smi() -> str:

@@ -14,7 +14,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -499,6 +499,24 @@ def is_xpu_available(check_device: bool = False) -> bool:
         except RuntimeError:
             return False
     return hasattr(torch, "xpu") and bool(torch.xpu.is_available())
+
+
+def first_available_device(devices: Iterable[str]) -> str | None:
+    """The first of ``devices`` that is seen here, or ``None``.
+
+    The devices are vendor device types: ``"mlu"``, ``"sdaa"``, ``"musa"``, ``"npu"``, ``"hpu"``, ``"xpu"``,
+    ``"neuron"``. Accelerate asks in a different order in different places, so the caller gives the order.
+    """
+    checks: dict[str, Callable[[], bool]] = {
+        "mlu": is_mlu_available,
+        "sdaa": is_sdaa_available,
+        "musa": is_musa_available,
+        "npu": is_npu_available,
+        "hpu": is_hpu_available,
+        "xpu": is_xpu_available,
+        "neuron": is_neuron_available,
+    }
+    return next((device for device in devices if checks[device]()), None)
 
 
 def is_bf16_available(ignore_tpu: bool = False) -> bool:

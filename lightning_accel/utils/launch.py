@@ -35,18 +35,8 @@ def _visible_devices_variable() -> str:
     """The variable that restricts this machine's accelerators (the first family found, CUDA otherwise)."""
     from lightning_accel.utils import imports
 
-    for device, available in (
-        ("xpu", imports.is_xpu_available),
-        ("mlu", imports.is_mlu_available),
-        ("sdaa", imports.is_sdaa_available),
-        ("musa", imports.is_musa_available),
-        ("npu", imports.is_npu_available),
-        ("hpu", imports.is_hpu_available),
-        ("neuron", imports.is_neuron_available),
-    ):
-        if available():
-            return _VISIBLE_DEVICES[device]
-    return _VISIBLE_DEVICES["cuda"]
+    device = imports.first_available_device(("xpu", "mlu", "sdaa", "musa", "npu", "hpu", "neuron"))
+    return _VISIBLE_DEVICES[device or "cuda"]
 
 
 def _set_rendezvous(args: argparse.Namespace) -> None:

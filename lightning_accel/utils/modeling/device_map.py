@@ -27,6 +27,7 @@ from lightning_accel.utils.modeling.sizes import (
     compute_module_sizes,
     compute_module_total_buffer_size,
     convert_file_size_to_int,
+    get_balanced_memory,
     get_max_layer_size,
     get_max_memory,
 )
@@ -43,6 +44,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NamedItem = tuple[str, Any]  # a submodule, parameter or buffer still to place, by name
+
+# The strategies a ``device_map`` string may name (Accelerate's).
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def _inside(name: str, tensor_name: str) -> bool:
@@ -421,3 +425,36 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, DeviceLike]) -> 
         raise ValueError(
             "The device_map provided does not give any device for the following parameters: " + ", ".join(uncovered)
         )
+
+
+def strategy_device_map(
+    model: nn.Module,
+    strategy: str,
+    max_memory: Mapping[int | str, int | str] | None = None,
+    no_split_module_classes: str | Iterable[str] | None = None,
+    dtype: DtypeLike | None = None,
+    special_dtypes: Mapping[str, DtypeLike] | None = None,
+    offload_buffers: bool = False,
+) -> dict[str, int | str]:
+    """The device map a strategy of :data:`DEVICE_MAP_STRATEGIES` names (the caller checked the name).
+
+    ``"sequential"`` fills the devices in order up to ``max_memory``; the others first spread ``max_memory`` evenly
+    over the accelerators (:func:`get_balanced_memory`; ``"balanced_low_0"`` keeps accelerator 0 as free as possible).
+    """
+    if strategy != "sequential":
+        max_memory = get_balanced_memory(
+            model,
+            max_memory=max_memory,
+            no_split_module_classes=no_split_module_classes,
+            dtype=dtype,
+            special_dtypes=special_dtypes,
+            low_zero=strategy == "balanced_low_0",
+        )
+    return infer_auto_device_map(
+        model,
+        max_memory=max_memory,
+        no_split_module_classes=no_split_module_classes,
+        dtype=dtype,
+        special_dtypes=special_dtypes,
+        offload_buffers=offload_buffers,
+    )
