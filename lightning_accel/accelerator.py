@@ -419,7 +419,7 @@ class Accelerator(
         if not self._models:
             _module.check_backward_after_prepare(self._models)
         steps = self.gradient_state.num_steps
-        if kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
+        if kwargs and kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
             return
         if steps != 1 and not self._strategy.engine_steps_in_backward:
@@ -434,7 +434,7 @@ class Accelerator(
 
     def _do_sync(self) -> None:
         state = self.gradient_state
-        if state.sync_with_dataloader and state.end_of_dataloader:
+        if state.end_of_dataloader and state.sync_with_dataloader:
             self.step = 0
             state._set_sync_gradients(True)
         else:
@@ -636,12 +636,16 @@ class _Accumulation:
 
     def __enter__(self) -> None:
         accelerator = self._accelerator
-        prepared = self._models if _all_wrappers(self._models) else self._prepared()
+        models: Sequence[Module] = self._models
+        for model in models:
+            if not isinstance(model, _FabricModule):  # a DeepSpeed engine or a plain module: find its wrapper
+                models = self._prepared()
+                break
         accelerator._do_sync()
         if accelerator.gradient_state.sync_gradients or accelerator._syncs_each_batch():
             return
         with ExitStack() as stack:
-            for model in prepared:
+            for model in models:
                 stack.enter_context(accelerator.no_sync(model))
             self._no_sync = stack.pop_all()
 
@@ -656,14 +660,6 @@ class _Accumulation:
         accelerator = self._accelerator
         engines_unwrapped = [accelerator._returned.wrapper_of(model) for model in self._models]
         return _module.prepared_models(engines_unwrapped, accelerator._models)
-
-
-def _all_wrappers(models: Sequence[Module]) -> bool:
-    """Whether every model is Fabric's wrapper (what ``prepare`` returned, outside DeepSpeed): nothing to resolve."""
-    for model in models:  # noqa: SIM110  (all() over a generator costs more, once per step)
-        if not isinstance(model, _FabricModule):
-            return False
-    return True
 
 
 def _is_raw_optimizer(obj: Any) -> bool:

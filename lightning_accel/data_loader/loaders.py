@@ -9,7 +9,7 @@ torchdata's ``StatefulDataLoader`` (``use_stateful_dataloader``), whose state ``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -381,22 +381,17 @@ def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
     That is a tensor, or a plain list, tuple or dict of tensors (a collated batch), all of them on ``device``: the
     result is then what ``send_to_device`` returns for it (the tensor, or a new container of the same tensors).
     """
-    if isinstance(batch, Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
     kind = type(batch)
-    if kind is tuple or kind is list:
-        if _all_on(batch, device):
+    items = batch.values() if kind is dict else batch if kind is tuple or kind is list else None
+    if items is not None:
+        for item in items:
+            if not isinstance(item, Tensor) or item.device != device:
+                break
+        else:
             return kind(batch)
-    elif kind is dict and _all_on(batch.values(), device):
-        return dict(batch)
+    elif isinstance(batch, Tensor) and batch.device == device:
+        return batch
     return send_to_device(batch, device, non_blocking=non_blocking)
-
-
-def _all_on(items: Iterable[Any], device: torch.device) -> bool:
-    for item in items:  # noqa: SIM110  (all() over a generator costs more, once per batch)
-        if not isinstance(item, Tensor) or item.device != device:
-            return False
-    return True
 
 
 @dataclass(frozen=True)
