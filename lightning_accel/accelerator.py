@@ -653,7 +653,7 @@ class _Accumulation:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> bool:
         no_sync, self._no_sync = self._no_sync, None
-        return no_sync is not None and no_sync.__exit__(exc_type, exc, traceback)
+        return no_sync is not None and bool(no_sync.__exit__(exc_type, exc, traceback))
 
     def _prepared(self) -> list[Module]:
         """Fabric's wrappers of the models (a DeepSpeed engine's, a plain module's); refuses one never prepared."""
