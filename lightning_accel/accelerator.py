@@ -13,7 +13,8 @@ import gc
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from types import TracebackType
 from typing import Any, cast
 
 import torch
@@ -418,7 +419,7 @@ class Accelerator(
         if not self._models:
             _module.check_backward_after_prepare(self._models)
         steps = self.gradient_state.num_steps
-        if kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
+        if kwargs and kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
             return
         if steps != 1 and not self._strategy.engine_steps_in_backward:
@@ -432,26 +433,17 @@ class Accelerator(
         _engine_step.step_after_backward(self._strategy, self._optimizers, self.sync_gradients)
 
     def _do_sync(self) -> None:
-        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
+        state = self.gradient_state
+        if state.end_of_dataloader and state.sync_with_dataloader:
             self.step = 0
-            self.gradient_state._set_sync_gradients(True)
+            state._set_sync_gradients(True)
         else:
             self.step += 1
-            self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
+            state._set_sync_gradients(self.step % state.num_steps == 0)
 
-    @contextmanager
-    def accumulate(self, *models: Module) -> Generator[None, None, None]:
+    def accumulate(self, *models: Module) -> AbstractContextManager[None]:
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
-        engines_unwrapped = [self._returned.wrapper_of(model) for model in models]  # a DeepSpeed engine -> its wrapper
-        prepared = _module.prepared_models(engines_unwrapped, self._models)  # refuses a model prepare never saw
-        self._do_sync()
-        if self.gradient_state.sync_gradients or self._syncs_each_batch():
-            yield
-            return
-        with ExitStack() as stack:
-            for model in prepared:
-                stack.enter_context(self.no_sync(model))
-            yield
+        return _Accumulation(self, models)
 
     def _syncs_each_batch(self) -> bool:
         """``sync_each_batch`` on several processes, unless skipping the sync is also the engine's step signal."""
@@ -626,6 +618,48 @@ class Accelerator(
         """Finish the run: close the trackers, destroy the process group (not one a ``debug_launcher`` owns)."""
         self._finish_trackers()
         self.state.destroy_process_group()
+
+
+class _Accumulation:
+    """:meth:`Accelerator.accumulate`'s context (a small class rather than a generator: it is entered every step).
+
+    Entering it runs the micro-step's decision; where the micro-step does not synchronise, the models' ``no_sync``
+    contexts are held until it exits.
+    """
+
+    __slots__ = ("_accelerator", "_models", "_no_sync")
+
+    def __init__(self, accelerator: Accelerator, models: tuple[Module, ...]) -> None:
+        self._accelerator = accelerator
+        self._models = models
+        self._no_sync: ExitStack | None = None
+
+    def __enter__(self) -> None:
+        accelerator = self._accelerator
+        models: Sequence[Module] = self._models
+        for model in models:
+            if not isinstance(model, _FabricModule):  # a DeepSpeed engine or a plain module: find its wrapper
+                models = self._prepared()
+                break
+        accelerator._do_sync()
+        if accelerator.gradient_state.sync_gradients or accelerator._syncs_each_batch():
+            return
+        with ExitStack() as stack:
+            for model in models:
+                stack.enter_context(accelerator.no_sync(model))
+            self._no_sync = stack.pop_all()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
+        no_sync, self._no_sync = self._no_sync, None
+        return no_sync is not None and bool(no_sync.__exit__(exc_type, exc, traceback))
+
+    def _prepared(self) -> list[Module]:
+        """Fabric's wrappers of the models (a DeepSpeed engine's, a plain module's); refuses one never prepared."""
+        accelerator = self._accelerator
+        engines_unwrapped = [accelerator._returned.wrapper_of(model) for model in self._models]
+        return _module.prepared_models(engines_unwrapped, accelerator._models)
 
 
 def _is_raw_optimizer(obj: Any) -> bool:

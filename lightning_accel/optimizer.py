@@ -157,16 +157,6 @@ class AcceleratedOptimizer(Optimizer):
         """Step the wrapped optimizer, unless this micro-step accumulates (or the engine stepped in ``backward``)."""
         if not self.gradient_state.sync_gradients or self.engine_steps:
             return None
-        return self._step(closure)
-
-    def record_engine_step(self) -> None:
-        """Note the step the engine took in ``Accelerator.backward``: whether it skipped it (fp16 overflow).
-
-        DeepSpeed's optimizers report the overflow as ``overflow``, which Accelerate's wrapper reads too.
-        """
-        self._is_overflow = bool(getattr(self.optimizer, "overflow", False))
-
-    def _step(self, closure: Callable[[], Any] | None) -> Any:
         if "lomo_optim" in sys.modules and is_lomo_optimizer(self._stepper):
             return None  # LOMO updates the parameters in its fused backward pass
         if self.scaler is not None:
@@ -174,6 +164,13 @@ class AcceleratedOptimizer(Optimizer):
         result = self._stepper.step(closure) if closure is not None else self._stepper.step()
         self._is_overflow = bool(getattr(self.precision, "step_was_skipped", False))
         return result
+
+    def record_engine_step(self) -> None:
+        """Note the step the engine took in ``Accelerator.backward``: whether it skipped it (fp16 overflow).
+
+        DeepSpeed's optimizers report the overflow as ``overflow``, which Accelerate's wrapper reads too.
+        """
+        self._is_overflow = bool(getattr(self.optimizer, "overflow", False))
 
     def _scaled_step(self, closure: Callable[[], Any] | None) -> Any:
         """``scaler.step`` and ``scaler.update``; the step counts as skipped when the scaler did not call it."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
+from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import Self, override
 
@@ -264,23 +265,29 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         return iter(self.base_dataloader)
 
     def _stream(self, skip: int) -> Iterator[Any]:
-        """Hand out the batches one ahead of the loader, skipping the first ``skip``."""
+        """Hand out the batches one ahead of the loader, skipping the first ``skip``.
+
+        It runs once per batch: the two attributes it updates are set with ``object.__setattr__``, past
+        ``DataLoader.__setattr__`` (a Python call that guards the loader's own arguments, which these are not).
+        """
         batches = self._base_batches()
         current = next(batches, _END)
         index = 0
         self.position = self._resumed_batches + skip
+        stateful = self.use_stateful_dataloader
         while current is not _END:
             if index == skip:
                 self._restore_resumed_rng()
             if self.device is not None:
-                current = send_to_device(current, self.device, non_blocking=self.non_blocking)
-            self._snapshot()
+                current = _to_device(current, self.device, self.non_blocking)
+            if stateful:
+                self._snapshot()
             upcoming = next(batches, _END)
-            self.end_of_dataloader = upcoming is _END
-            if self.end_of_dataloader:
+            object.__setattr__(self, "end_of_dataloader", upcoming is _END)
+            if stateful and upcoming is _END:
                 self._snapshot()
             if index >= skip:
-                self.position = self._resumed_batches + index + 1
+                object.__setattr__(self, "position", self._resumed_batches + index + 1)
                 yield current
             index += 1
             current = upcoming
@@ -366,6 +373,25 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
 
 
 _END = object()
+
+
+def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    """``send_to_device(batch, device)``, without its ``.to`` calls where the batch is on ``device`` already.
+
+    That is a tensor, or a plain list, tuple or dict of tensors (a collated batch), all of them on ``device``: the
+    result is then what ``send_to_device`` returns for it (the tensor, or a new container of the same tensors).
+    """
+    kind = type(batch)
+    items = batch.values() if kind is dict else batch if kind is tuple or kind is list else None
+    if items is not None:
+        for item in items:
+            if not isinstance(item, Tensor) or item.device != device:
+                break
+        else:
+            return kind(batch)
+    elif isinstance(batch, Tensor) and batch.device == device:
+        return batch
+    return send_to_device(batch, device, non_blocking=non_blocking)
 
 
 @dataclass(frozen=True)

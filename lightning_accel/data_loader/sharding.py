@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sized
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ def check_split_batch_size(batch_size: int | None, num_processes: int, what: str
         )
 
 
+@dataclass(eq=False)
 class BatchSamplerShard(Sampler[list[int]]):
     """The batches of one process, cut from the batches of ``batch_sampler`` as Accelerate's ``BatchSamplerShard``.
 
@@ -62,27 +64,23 @@ class BatchSamplerShard(Sampler[list[int]]):
 
     """
 
-    def __init__(
-        self,
-        batch_sampler: Iterable[list[int]],
-        num_processes: int = 1,
-        process_index: int = 0,
-        split_batches: bool = False,
-        even_batches: bool = True,
-    ) -> None:
-        self.batch_sampler = batch_sampler
-        self.num_processes = num_processes
-        self.process_index = process_index
-        self.split_batches = split_batches
-        self.even_batches = even_batches
-        self.batch_size: int | None = getattr(batch_sampler, "batch_size", None)
-        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
-        if split_batches:
-            check_split_batch_size(self.batch_size, num_processes, "the batch sampler")
-            if self.batch_size == 1 and num_processes > 1:
+    batch_sampler: Iterable[list[int]]
+    num_processes: int = 1
+    process_index: int = 0
+    split_batches: bool = False
+    even_batches: bool = True
+    batch_size: int | None = field(init=False)
+    drop_last: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batch_size = getattr(self.batch_sampler, "batch_size", None)
+        self.drop_last = bool(getattr(self.batch_sampler, "drop_last", False))
+        if self.split_batches:
+            check_split_batch_size(self.batch_size, self.num_processes, "the batch sampler")
+            if self.batch_size == 1 and self.num_processes > 1:
                 raise ValueError(
-                    f"split_batches=True cannot split batches of 1 sample between {num_processes} processes; use a"
-                    f" batch size that is a multiple of {num_processes}."
+                    f"split_batches=True cannot split batches of 1 sample between {self.num_processes} processes;"
+                    f" use a batch size that is a multiple of {self.num_processes}."
                 )
 
     @property
