@@ -8,15 +8,24 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies import DDPStrategy as _FabricDDPStrategy
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DDPStrategy as _TrainerDDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.config.devices import BACKEND_BY_TYPE
+from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import lightning_private_members
-from lightning_accel.strategies.ddp_core import DDPFamilyAdapter
+from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
+from lightning_accel.strategies.ddp_core import DDPFamily, DDPFamilyAdapter
 from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
@@ -28,9 +37,19 @@ _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
     """Trainer strategy for one process per device, gradients averaged by ``DistributedDataParallel``.
 
-    It takes :class:`~lightning_accel.strategies.ddp_core.DDPFamilyAdapter`'s arguments (``distributed_type``,
-    ``ddp_kwargs``, ``init_kwargs``, ``dynamo_plugin``, ``strategy_name``); the other arguments are Lightning's
-    ``DDPStrategy``'s (``precision_plugin``, ``start_method``, ...).
+    Args:
+        distributed_type: The Accelerate type (``MULTI_CPU``, ``MULTI_GPU``, ``MULTI_NPU``, ...). ``None`` derives it
+            from the accelerator's devices.
+        ddp_kwargs: Arguments for ``DistributedDataParallel`` and the communication hook to register.
+        init_kwargs: Process-group options (collective backend, init method, timeout).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before it is wrapped.
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        parallel_devices: Passed to Lightning.
+        cluster_environment: Passed to Lightning.
+        checkpoint_io: Passed to Lightning.
+        precision_plugin: Passed to Lightning.
+        start_method: How processes start: ``"popen"`` re-runs the script, the others use ``torch.multiprocessing``.
 
     Example:
         >>> import lightning as L
@@ -44,6 +63,38 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
         ... )
 
     """
+
+    def __init__(
+        self,
+        distributed_type: DistributedType | str | None = None,
+        *,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        strategy_name: str = "acc_ddp",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        start_method: _StartMethod = "popen",
+    ) -> None:
+        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs, dynamo_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
+            precision_plugin=precision_plugin,
+            timeout=self._family.timeout,
+            start_method=start_method,
+            **self._family.torch_ddp_kwargs(),
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._check_devices_and_bind(self.precision_plugin)
+        super()._configure_launcher()
 
     precision_plugin = translating(_TrainerDDPStrategy.precision_plugin)
 
@@ -79,6 +130,38 @@ class FabricAcceleratedDDPStrategy(ProcessGroupShards, DDPFamilyAdapter, _Fabric
 
     #: DDP-wrapped models are torch ``Joinable`` (``Accelerator.join_uneven_inputs``).
     joins_uneven_inputs = True
+
+    def __init__(
+        self,
+        distributed_type: DistributedType | str | None = None,
+        *,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        strategy_name: str = "acc_ddp",
+        accelerator: FabricAccelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: FabricPrecision | None = None,
+        start_method: _StartMethod = "popen",
+    ) -> None:
+        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs, dynamo_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
+            precision=precision,
+            timeout=self._family.timeout,
+            start_method=start_method,
+            **self._family.torch_ddp_kwargs(),
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._check_devices_and_bind(self.precision)
+        super()._configure_launcher()
 
     precision = translating(_FabricDDPStrategy.precision)
 

@@ -8,7 +8,6 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
@@ -25,21 +24,8 @@ from lightning_accel.config.devices import (
 )
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType
 from lightning_accel.lightning_compat import set_process_group_backend
-from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
-from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
-from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision
-
-#: The arguments of Lightning's ``DDPStrategy`` (Trainer's or Fabric's) that the DDP family's strategies pass on.
-DDP_LIGHTNING_ARGUMENTS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "precision",
-    "start_method",
-)
+from lightning_accel.strategies.precision_bridge import bind_precision
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
@@ -184,47 +170,11 @@ class _Host(Protocol):
 class DDPFamilyAdapter:
     """What the Trainer and Fabric twins of a DDP-family strategy share, read from their ``_family``.
 
-    Listed before Lightning's strategy among the bases, so its methods (and its constructor) take precedence over
-    Lightning's.
-
-    Args:
-        distributed_type: The Accelerate type (``MULTI_CPU``, ``MULTI_GPU``, ``MULTI_NPU``, ...). ``None`` derives it
-            from the accelerator's devices.
-        ddp_kwargs: Arguments for ``DistributedDataParallel`` and the communication hook to register.
-        init_kwargs: Process-group options (collective backend, init method, timeout).
-        dynamo_plugin: ``torch.compile`` settings applied to the model before it is wrapped.
-        strategy_name: The name shown in messages (set by the registry).
-        checkpoint_io: Lightning's checkpoint I/O; ``None`` means :class:`NamingTorchCheckpointIO`.
-        **lightning_arguments: The other arguments are Lightning's ``DDPStrategy``'s: ``accelerator``,
-            ``parallel_devices``, ``cluster_environment``, ``precision_plugin`` (the Trainer's) or ``precision``
-            (Fabric's), and ``start_method`` (``"popen"`` re-runs the script, the others use
-            ``torch.multiprocessing``).
-
+    Listed before Lightning's strategy among the bases, so its methods take precedence over Lightning's.
     """
 
     _family: DDPFamily
     _process_group_backend: str | None
-    __signature__ = LightningArguments(*DDP_LIGHTNING_ARGUMENTS)
-
-    def __init__(
-        self,
-        distributed_type: DistributedType | str | None = None,
-        *,
-        ddp_kwargs: DistributedDataParallelKwargs | None = None,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_ddp",
-        checkpoint_io: CheckpointIO | None = None,
-        **lightning_arguments: Any,
-    ) -> None:
-        check_lightning_arguments(self, lightning_arguments)
-        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs, dynamo_plugin)
-        super().__init__(  # type: ignore[call-arg]  # Lightning's DDPStrategy, after this class in the MRO
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
-            timeout=self._family.timeout,
-            **lightning_arguments,
-            **self._family.torch_ddp_kwargs(),
-        )
 
     @property
     def distributed_type(self) -> DistributedType | None:
@@ -234,11 +184,10 @@ class DDPFamilyAdapter:
     def _get_process_group_backend(self: _Host) -> str:
         return self._family.collective_backend(self.root_device)
 
-    def _configure_launcher(self: _Host) -> None:
-        """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind the precision to them."""
+    def _check_devices_and_bind(self: _Host, precision: Any) -> None:
+        """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind ``precision`` to them."""
         self._family.check_devices(self.parallel_devices)
-        bind_precision(strategy_precision(self), self.parallel_devices)
-        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
+        bind_precision(precision, self.parallel_devices)
 
     def _init_process_group(self: _Host) -> None:
         """Choose the collective backend and create the default process group (world ranks already set)."""

@@ -10,20 +10,27 @@ under the Trainer give the numbers of ``ddp`` with gradient accumulation too (se
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.plugins import DeepSpeedPrecision as TrainerDeepSpeedPrecision
+from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy as _TrainerDeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -61,14 +68,8 @@ from lightning_accel.strategies.deepspeed_prepare import (
     dummy_fills,
     resolve_prepare_config,
 )
-from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
-from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating, strategy_precision
-from lightning_accel.strategies.protocol import (
-    ContextBackwardSync,
-    ProcessGroupShards,
-    ShimStrategyDefaults,
-    StepEngine,
-)
+from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
+from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults, StepEngine
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.deepspeed import DummyOptim
 from lightning_accel.utils.modeling.checkpoint import consolidate_deepspeed_checkpoint, read_checkpoint_file
@@ -83,100 +84,6 @@ __all__ = [
 ]
 
 
-class _OnDevices(Protocol):
-    _family: DeepSpeedFamily
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None: ...
-
-    @property
-    def root_device(self) -> torch.device: ...
-
-
-def _name_unreadable_checkpoints(strategy: Any) -> None:
-    """Read checkpoints with :class:`NamingTorchCheckpointIO`: a full-weights file that cannot be read is named."""
-    strategy.checkpoint_io = NamingTorchCheckpointIO()
-
-
-class _DeepSpeedFamilyAdapter:
-    """What the Trainer and Fabric DeepSpeed strategies share, read from their ``_family`` (listed before Lightning's).
-
-    Args:
-        deepspeed_plugin: The DeepSpeed settings; ``None`` means ``DeepSpeedPlugin()`` (ZeRO stage 2).
-        plugin_fields: Fields for the plugin built when ``deepspeed_plugin`` is ``None`` (used by the
-            ``acc_deepspeed_stage_*`` names).
-        dynamo_plugin: ``torch.compile`` settings applied to the model before DeepSpeed wraps it.
-        strategy_name: The name shown in messages (set by the registry).
-        process_group_backend: The collective backend; by default gloo on CPU and NCCL on CUDA.
-        timeout: Process-group timeout.
-        init_kwargs: Accelerate's process-group options; its ``backend`` and ``timeout`` win over the two above.
-        **lightning_arguments: The other arguments are Lightning's ``DeepSpeedStrategy``'s: ``accelerator``,
-            ``parallel_devices``, ``cluster_environment``, ``precision_plugin`` (the Trainer's) or ``precision``
-            (Fabric's), ``remote_device`` (where ``deepspeed.zero.Init`` places new parameters, ZeRO 3 only),
-            ``load_full_weights`` (resume ZeRO 3 from a single full checkpoint file), ``exclude_frozen_parameters``
-            and ``logging_level`` (of DeepSpeed's logger).
-
-    """
-
-    _family: DeepSpeedFamily
-    #: Whether Lightning's strategy syncs gradients through a ``_backward_sync_control`` (Fabric's do).
-    _syncs_through_control: ClassVar[bool] = False
-    __signature__ = LightningArguments(
-        "accelerator",
-        "parallel_devices",
-        "cluster_environment",
-        "precision_plugin",
-        "precision",
-        "remote_device",
-        "load_full_weights",
-        "exclude_frozen_parameters",
-        "logging_level",
-    )
-
-    def __init__(
-        self,
-        deepspeed_plugin: DeepSpeedPlugin | None = None,
-        *,
-        plugin_fields: Mapping[str, Any] | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_deepspeed",
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        **lightning_arguments: Any,
-    ) -> None:
-        check_lightning_arguments(self, lightning_arguments)
-        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
-        process_group_backend, timeout = process_group_settings(init_kwargs, process_group_backend, timeout)
-        super().__init__(  # type: ignore[call-arg]  # Lightning's DeepSpeedStrategy, after this class in the MRO
-            config=self._family.config,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **lightning_arguments,
-        )
-        _name_unreadable_checkpoints(self)
-        if self._syncs_through_control:
-            set_backward_sync_control(self, ContextBackwardSync(self._family.no_sync))
-
-    @property
-    def deepspeed_plugin(self) -> DeepSpeedPlugin:
-        """The DeepSpeed settings this strategy runs with."""
-        return self._family.plugin
-
-    def _configure_launcher(self: _OnDevices) -> None:
-        bind_precision(strategy_precision(self), self.parallel_devices)  # refuses fp8 where it cannot run
-        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
-
-    def _prepare_devices(self: _OnDevices) -> None:
-        """Make the devices Lightning chose ready for DeepSpeed (its accelerator, CPU threads)."""
-        self._family.prepare_devices(self.parallel_devices, self.root_device)
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """Always ``DistributedType.DEEPSPEED``."""
-        return DistributedType.DEEPSPEED
-
-
 @lightning_private_members(
     "_configure_launcher",
     "_format_config",
@@ -187,7 +94,7 @@ class _DeepSpeedFamilyAdapter:
     "_init_deepspeed_distributed",
     "_set_deepspeed_activation_checkpointing",
 )
-class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStrategy):
+class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     """Trainer strategy running DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) on CPU or CUDA devices.
 
     The DeepSpeed config is the plugin's; its ``"auto"`` entries are filled from the Trainer (micro-batch size from
@@ -202,9 +109,23 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
     the gathered weights as ``pytorch_model.bin``. :func:`consolidate_deepspeed_checkpoint` turns either into a full
     state dict.
 
-    It takes :class:`_DeepSpeedFamilyAdapter`'s arguments (``deepspeed_plugin``, ``plugin_fields``, ``dynamo_plugin``,
-    ``strategy_name``, ``process_group_backend``, ``timeout``, ``init_kwargs``); the other arguments are Lightning's
-    ``DeepSpeedStrategy``'s (``precision_plugin``, ``remote_device``, ``load_full_weights``, ...).
+    Args:
+        deepspeed_plugin: The DeepSpeed settings; ``None`` means ``DeepSpeedPlugin()`` (ZeRO stage 2).
+        plugin_fields: Fields for the plugin built when ``deepspeed_plugin`` is ``None`` (used by the
+            ``acc_deepspeed_stage_*`` names).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before DeepSpeed wraps it.
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        parallel_devices: Passed to Lightning.
+        cluster_environment: Passed to Lightning.
+        precision_plugin: Passed to Lightning.
+        process_group_backend: The collective backend; by default gloo on CPU and NCCL on CUDA.
+        timeout: Process-group timeout.
+        init_kwargs: Accelerate's process-group options; its ``backend`` and ``timeout`` win over the two above.
+        remote_device: Where ``deepspeed.zero.Init`` places new parameters (``"cpu"``, ``"nvme"``), ZeRO 3 only.
+        load_full_weights: Resume ZeRO 3 from a single full checkpoint file instead of a DeepSpeed directory.
+        exclude_frozen_parameters: Leave frozen parameters out of checkpoints.
+        logging_level: Level of DeepSpeed's logger.
 
     Example:
         >>> import lightning as L
@@ -222,7 +143,42 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
     #: Callbacks that skip the context to sync each batch must keep it here (ZeRO 2/3 reduce every micro-batch anyway).
     marks_step_boundary = True
 
-    _engine: Any = None  # the engine the last entry point built, released by the next one
+    def __init__(
+        self,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
+        *,
+        plugin_fields: Mapping[str, Any] | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        strategy_name: str = "acc_deepspeed",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        remote_device: str | None = None,
+        load_full_weights: bool = False,
+        exclude_frozen_parameters: bool = False,
+        logging_level: int = logging.WARN,
+    ) -> None:
+        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
+        process_group_backend, timeout = process_group_settings(init_kwargs, process_group_backend, timeout)
+        super().__init__(
+            accelerator=accelerator,
+            config=self._family.config,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            remote_device=remote_device,
+            load_full_weights=load_full_weights,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            logging_level=logging_level,
+        )
+        self._engine: Any = None  # the engine the last entry point built, released by the next one
+        self.checkpoint_io = NamingTorchCheckpointIO()  # a full-weights file that cannot be read is named
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -230,11 +186,26 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
         parent = super().load_checkpoint
         return read_checkpoint_file(checkpoint_path, lambda path: parent(path, weights_only))
 
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin:
+        """The DeepSpeed settings this strategy runs with."""
+        return self._family.plugin
+
     precision_plugin = deepspeed_translating(_TrainerDeepSpeedStrategy.precision_plugin, TrainerDeepSpeedPrecision)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Always ``DistributedType.DEEPSPEED``."""
+        return DistributedType.DEEPSPEED
+
+    @override
+    def _configure_launcher(self) -> None:
+        bind_precision(self.precision_plugin, self.parallel_devices)  # refuses fp8 where it cannot run
+        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
-        self._prepare_devices()
+        self._family.prepare_devices(self.parallel_devices, self.root_device)
         # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
         super(_TrainerDeepSpeedStrategy, self).setup_environment()
 
@@ -397,9 +368,7 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
     "_format_config",
     "_initialize_engine",
 )
-class FabricAcceleratedDeepSpeedStrategy(
-    ProcessGroupShards, _DeepSpeedFamilyAdapter, _FabricDeepSpeedStrategy, ShimStrategyDefaults
-):
+class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStrategy, ShimStrategyDefaults):
     """Fabric twin of :class:`AcceleratedDeepSpeedStrategy`.
 
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no clipping setting
@@ -416,7 +385,7 @@ class FabricAcceleratedDeepSpeedStrategy(
     Args:
         gradient_accumulation_steps: Micro-batches per optimizer step of the loop driving this strategy (the
             ``Accelerator``'s); it fills an ``"auto"`` config entry, and a config with another value is refused.
-        **arguments: As :class:`AcceleratedDeepSpeedStrategy`, with ``precision`` instead of ``precision_plugin``.
+        **kwargs: As :class:`AcceleratedDeepSpeedStrategy`, with ``precision`` instead of ``precision_plugin``.
 
     Raises:
         ValueError: If ``gradient_accumulation_steps`` and the config's value differ.
@@ -427,19 +396,51 @@ class FabricAcceleratedDeepSpeedStrategy(
     engine_steps_in_backward = True
     marks_step_boundary = True
 
-    _syncs_through_control = True
-    _scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare
-    _from_prepare = False
-
     def __init__(
         self,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
         *,
+        plugin_fields: Mapping[str, Any] | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        strategy_name: str = "acc_deepspeed",
+        accelerator: FabricAccelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: FabricPrecision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        remote_device: str | None = None,
+        load_full_weights: bool = False,
+        exclude_frozen_parameters: bool = False,
+        logging_level: int = logging.WARN,
         gradient_accumulation_steps: int | None = None,
-        **arguments: Any,
     ) -> None:
-        super().__init__(deepspeed_plugin, **arguments)
+        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
+        process_group_backend, timeout = process_group_settings(init_kwargs, process_group_backend, timeout)
         self._accumulation = _loop_accumulation(self._family.config, gradient_accumulation_steps)
+        super().__init__(
+            accelerator=accelerator,
+            config=self._family.config,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            remote_device=remote_device,
+            load_full_weights=load_full_weights,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            logging_level=logging_level,
+        )
+        set_backward_sync_control(self, _AccumulationBoundary(self._family))
+        self.checkpoint_io = NamingTorchCheckpointIO()
+        self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare
+        self._from_prepare = False
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin:
+        """The DeepSpeed settings this strategy runs with."""
+        return self._family.plugin
 
     precision = deepspeed_translating(_FabricDeepSpeedStrategy.precision, FabricDeepSpeedPrecision)
 
@@ -515,13 +516,23 @@ class FabricAcceleratedDeepSpeedStrategy(
         """The engine inside Fabric's ``wrapper``, as Accelerate's ``prepare`` returns it."""
         return fabric_forward_module(wrapper)
 
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Always ``DistributedType.DEEPSPEED``."""
+        return DistributedType.DEEPSPEED
+
     def checkpoint_engine(self) -> EngineCheckpoint | None:
         """DeepSpeed writes ``save_state``'s models and optimizers itself (its tagged checkpoint folders)."""
         return DeepSpeedCheckpoint()
 
     @override
+    def _configure_launcher(self) -> None:
+        bind_precision(self.precision, self.parallel_devices)  # refuses fp8 where it cannot run
+        super()._configure_launcher()
+
+    @override
     def setup_environment(self) -> None:
-        self._prepare_devices()
+        self._family.prepare_devices(self.parallel_devices, self.root_device)
         # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
         super(_FabricDeepSpeedStrategy, self).setup_environment()
 
@@ -595,6 +606,21 @@ class FabricAcceleratedDeepSpeedStrategy(
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register nothing: the ``acc_deepspeed*`` names come from lightning_accel's table."""
+
+
+class _AccumulationBoundary(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)`` under DeepSpeed: the backward passes inside accumulate (no boundary)."""
+
+    # The context is DeepSpeed's step signal, not only a communication saving: every accumulating micro-batch must
+    # run inside it, also with GradientAccumulationPlugin(sync_each_batch=True) (Accelerate sets the boundary too;
+    # the strategies say so with ``marks_step_boundary``).
+
+    def __init__(self, family: DeepSpeedFamily) -> None:
+        self._family = family
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._family.accumulating(module) if enabled else nullcontext()
 
 
 def _loop_accumulation(config: Mapping[str, Any], steps: int | None) -> int | None:

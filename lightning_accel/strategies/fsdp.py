@@ -6,30 +6,38 @@ launching come from the DDP family these classes extend (which runs on CPU, unli
 
 from __future__ import annotations
 
-import functools
 import weakref
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies import FSDPStrategy as LightningFabricFSDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_meta_tensors
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.checkpoint.engines import EngineCheckpoint
 from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
+from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import (
     get_layer_sync,
     lightning_private_members,
+    set_backward_sync_control,
 )
 from lightning_accel.precision.fp8 import refresh_float8_scales
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.fsdp_core import FSDPFamilyAdapter
+from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.strategies.sharded_adapter import ShardedFabricAdapter, ShardedTrainerAdapter, reshard
@@ -41,9 +49,18 @@ _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, AcceleratedDDPStrategy):
     """Trainer strategy that shards parameters, gradients and optimizer state across processes.
 
-    It takes :class:`~lightning_accel.strategies.fsdp_core.FSDPFamilyAdapter`'s arguments (``fsdp_plugin``,
-    ``init_kwargs``, ``dynamo_plugin``, ``strategy_name``); the other arguments are Lightning's ``DDPStrategy``'s, as
-    for ``acc_ddp`` (``checkpoint_io`` writes full-state-dict checkpoint files).
+    Args:
+        fsdp_plugin: Accelerate's FSDP settings (version, resharding, auto-wrap policy, offload, mixed precision,
+            state-dict type, ...). ``None`` means FSDP2 with full sharding and sharded checkpoints.
+        init_kwargs: Process-group options (collective backend, init method, timeout).
+        dynamo_plugin: ``torch.compile`` settings applied to the model before it is sharded.
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        parallel_devices: Passed to Lightning.
+        cluster_environment: Passed to Lightning.
+        checkpoint_io: Passed to Lightning (used for full-state-dict checkpoint files).
+        precision_plugin: Passed to Lightning.
+        start_method: How processes start, as for ``acc_ddp``.
 
     Checkpoints follow ``fsdp_plugin.state_dict_type``: ``FULL_STATE_DICT`` writes one file (gathered from every
     process, written by rank 0), ``SHARDED_STATE_DICT`` a directory of ``torch.distributed.checkpoint`` shards with
@@ -54,7 +71,32 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
 
     """
 
-    _sharded_model: Module | None = None
+    def __init__(
+        self,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        *,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        strategy_name: str = "acc_fsdp",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        start_method: _StartMethod = "popen",
+    ) -> None:
+        self._fsdp = FSDPFamily(fsdp_plugin, dynamo_plugin)
+        super().__init__(
+            init_kwargs=init_kwargs,
+            strategy_name=strategy_name,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            start_method=start_method,
+        )
+        self._sharded_model: Module | None = None
 
     @property
     @override
@@ -81,7 +123,12 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
         # An earlier evaluation may have left FSDP2 units gathered; the optimizer must get the sharded parameters.
         reshard(sharded)
         self.model = sharded
-        self._setup_optimizers_and_precision(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     def _sharded_model_of(self, module: Module) -> Module | None:
         """The sharded model ``module`` already is (FSDP2, or sharded by the user) or is wrapped in (FSDP1), if any."""
@@ -113,6 +160,11 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
         return False
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._fsdp.adopt_precision(self.precision_plugin)
+
+    @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
         return self._fsdp.wrap(model, self.root_device, self.world_size, self.precision_plugin)
 
@@ -132,6 +184,15 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
         """Nothing to do: :meth:`load_checkpoint` already loaded the optimizer states."""
 
 
+class _FSDPBackwardSyncControl(_BackwardSyncControl):
+    def __init__(self, family: FSDPFamily) -> None:
+        self._family = family
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._family.no_sync(module, enabled)
+
+
 @lightning_private_members("_configure_launcher")
 class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, FabricAcceleratedDDPStrategy):
     """Fabric twin of :class:`AcceleratedFSDPStrategy` (``precision`` instead of ``precision_plugin``).
@@ -149,12 +210,33 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
     ``load_state_dict()``.
     """
 
-    _syncs_through_control = True
-
-    @functools.cached_property
-    def _sharded_modules(self) -> weakref.WeakSet[Module]:
-        """The models this strategy sharded (their parameters are the ones optimizers may hold)."""
-        return weakref.WeakSet()
+    def __init__(
+        self,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        *,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        strategy_name: str = "acc_fsdp",
+        accelerator: FabricAccelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: FabricPrecision | None = None,
+        start_method: _StartMethod = "popen",
+    ) -> None:
+        self._fsdp = FSDPFamily(fsdp_plugin, dynamo_plugin)
+        super().__init__(
+            init_kwargs=init_kwargs,
+            strategy_name=strategy_name,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            start_method=start_method,
+        )
+        set_backward_sync_control(self, _FSDPBackwardSyncControl(self._fsdp))
+        self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
 
     @property
     @override
@@ -205,6 +287,11 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
         sharded = self._fsdp.wrap_with_optimizers(module, optimizers, self.root_device, self.world_size, self.precision)
         self._sharded_modules.add(sharded)
         return sharded, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._fsdp.adopt_precision(self.precision)
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]

@@ -13,7 +13,7 @@ import re
 from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _Stateful
@@ -21,15 +21,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accel.checkpoint.fsdp_policy import check_state_dict_configs, state_dict_options
-from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
+from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
-from lightning_accel.lightning_compat import set_backward_sync_control
 from lightning_accel.strategies.compile import apply_dynamo
-from lightning_accel.strategies.ddp_core import DDP_LIGHTNING_ARGUMENTS
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
-from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
-from lightning_accel.strategies.precision_bridge import strategy_precision
-from lightning_accel.strategies.protocol import ContextBackwardSync
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
 from lightning_accel.utils.modeling.checkpoint import METADATA_FILENAME, is_sharded_checkpoint, read_checkpoint_file
 
@@ -362,45 +357,10 @@ def _torch_load_on_cpu(path: Path) -> Any:
 
 
 class FSDPFamilyAdapter:
-    """What the Trainer and Fabric ``acc_fsdp`` strategies share, read from their ``_fsdp`` (listed first in bases).
-
-    Args:
-        fsdp_plugin: Accelerate's FSDP settings (version, resharding, auto-wrap policy, offload, mixed precision,
-            state-dict type, ...). ``None`` means FSDP2 with full sharding and sharded checkpoints.
-        init_kwargs: Process-group options (collective backend, init method, timeout).
-        dynamo_plugin: ``torch.compile`` settings applied to the model before it is sharded.
-        strategy_name: The name shown in messages (set by the registry).
-        **lightning_arguments: The other arguments are Lightning's ``DDPStrategy``'s, as for ``acc_ddp``.
-
-    """
+    """What the Trainer and Fabric ``acc_fsdp`` strategies share, read from their ``_fsdp`` (listed first in bases)."""
 
     _fsdp: FSDPFamily
     _checkpoint_label = "acc_fsdp"
-    #: Whether Lightning's strategy syncs gradients through a ``_backward_sync_control`` (Fabric's do).
-    _syncs_through_control: ClassVar[bool] = False
-    __signature__ = LightningArguments(*DDP_LIGHTNING_ARGUMENTS)
-
-    def __init__(
-        self,
-        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-        *,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_fsdp",
-        **lightning_arguments: Any,
-    ) -> None:
-        check_lightning_arguments(self, lightning_arguments)
-        self._fsdp = FSDPFamily(fsdp_plugin, dynamo_plugin)
-        super().__init__(  # type: ignore[call-arg]  # the DDP family's adapter, after this class in the MRO
-            init_kwargs=init_kwargs, strategy_name=strategy_name, **lightning_arguments
-        )
-        if self._syncs_through_control:
-            set_backward_sync_control(self, ContextBackwardSync(self._fsdp.no_sync))
-
-    def _configure_launcher(self) -> None:
-        """The DDP family's launch checks, then FSDP takes its mixed precision from the strategy's plugin."""
-        super()._configure_launcher()  # type: ignore[misc]  # the DDP family's adapter, after this class in the MRO
-        self._fsdp.adopt_precision(strategy_precision(self))
 
     @property
     def _sharding(self) -> FSDPFamily:

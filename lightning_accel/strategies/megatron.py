@@ -14,12 +14,16 @@ megatron's distributed optimizer are refused with the setting that asks for them
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import Precision
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -35,8 +39,6 @@ from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGro
 from lightning_accel.config.megatron import MegatronLMPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.ddp_core import DDP_LIGHTNING_ARGUMENTS
-from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
 from lightning_accel.strategies.megatron_core import MegatronFamily, clip_grad_norm_across_tensor_parallel
 from lightning_accel.strategies.registry import StrategyEntry
 
@@ -52,50 +54,9 @@ def _refuse_scaled_gradients(precision: Any, family: MegatronFamily) -> None:
 
 
 class _MegatronMembers:
-    """What the Trainer and Fabric twins share, read from their ``_megatron`` family (listed first among the bases).
-
-    Args:
-        megatron_lm_plugin: The Megatron-LM settings; ``None`` is ``MegatronLMPlugin(context_parallel_size=1)``
-            (tensor-parallel size 1).
-        ddp_kwargs: Arguments for the data-parallel ``DistributedDataParallel``.
-        init_kwargs: Process-group options (collective backend, init method, timeout).
-        strategy_name: The name shown in messages (set by the registry).
-        **lightning_arguments: The other arguments are Lightning's ``DDPStrategy``'s, as for ``acc_ddp``.
-
-    Raises:
-        ModuleNotFoundError: If megatron-core is not installed (the message names
-            ``pip install lightning-accel[megatron]``).
-        ValueError: For plugin settings this strategy does not implement (the message names the field and the fix).
-
-    """
+    """What the Trainer and Fabric twins share, read from their ``_megatron`` family (listed first among the bases)."""
 
     _megatron: MegatronFamily
-    __signature__ = LightningArguments(*DDP_LIGHTNING_ARGUMENTS)
-
-    def __init__(
-        self,
-        megatron_lm_plugin: MegatronLMPlugin | None = None,
-        *,
-        ddp_kwargs: DistributedDataParallelKwargs | None = None,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        strategy_name: str = "acc_megatron_lm",
-        **lightning_arguments: Any,
-    ) -> None:
-        check_lightning_arguments(self, lightning_arguments)
-        self._megatron = MegatronFamily(megatron_lm_plugin, ddp_kwargs)
-        super().__init__(  # type: ignore[call-arg]  # the DDP family's adapter, after this class in the MRO
-            ddp_kwargs=ddp_kwargs, init_kwargs=init_kwargs, strategy_name=strategy_name, **lightning_arguments
-        )
-
-    def _configure_launcher(self) -> None:
-        """Refuse devices megatron-core cannot run on, then the DDP family's launch checks."""
-        self._megatron.check_devices(self.parallel_devices)  # type: ignore[attr-defined]  # Lightning's, later
-        super()._configure_launcher()  # type: ignore[misc]  # the DDP family's adapter, after this class in the MRO
-
-    def _init_process_group(self) -> None:
-        """The DDP family's process group, then megatron's parallel state over it."""
-        super()._init_process_group()  # type: ignore[misc]  # the DDP family's adapter, after this class in the MRO
-        self._megatron.setup_parallel_state(self.root_device)  # type: ignore[attr-defined]  # Lightning's, later
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -121,8 +82,22 @@ class _MegatronMembers:
 class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
     """Trainer strategy for ``DistributedType.MEGATRON_LM``: megatron-core tensor parallelism plus data parallelism.
 
-    It takes the arguments of :class:`_MegatronMembers` (``megatron_lm_plugin``, ``ddp_kwargs``, ``init_kwargs``,
-    ``strategy_name``); the other arguments are Lightning's ``DDPStrategy``'s (``precision_plugin``, ...).
+    Args:
+        megatron_lm_plugin: The Megatron-LM settings; ``None`` is ``MegatronLMPlugin(context_parallel_size=1)``
+            (tensor-parallel size 1).
+        ddp_kwargs: Arguments for the data-parallel ``DistributedDataParallel``.
+        init_kwargs: Process-group options (collective backend, init method, timeout).
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        parallel_devices: Passed to Lightning.
+        cluster_environment: Passed to Lightning.
+        checkpoint_io: Passed to Lightning.
+        precision_plugin: Passed to Lightning.
+
+    Raises:
+        ModuleNotFoundError: If megatron-core is not installed (the message names
+            ``pip install lightning-accel[megatron]``).
+        ValueError: For plugin settings this strategy does not implement (the message names the field and the fix).
 
     Example:
         >>> import lightning as L
@@ -132,6 +107,41 @@ class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
         >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
 
     """
+
+    def __init__(
+        self,
+        megatron_lm_plugin: MegatronLMPlugin | None = None,
+        *,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        strategy_name: str = "acc_megatron_lm",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self._megatron = MegatronFamily(megatron_lm_plugin, ddp_kwargs)
+        super().__init__(
+            ddp_kwargs=ddp_kwargs,
+            init_kwargs=init_kwargs,
+            strategy_name=strategy_name,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._megatron.check_devices(self.parallel_devices)
+        super()._configure_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self._megatron.setup_parallel_state(self.root_device)
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
@@ -194,10 +204,41 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
     ``fabric.load`` gather and slice tensor-parallel weights and optimizer state.
     """
 
-    @functools.cached_property
-    def _megatron_modules(self) -> list[Module]:
-        """The models :meth:`setup_module` wrapped (their gradients are clipped before each step)."""
-        return []
+    def __init__(
+        self,
+        megatron_lm_plugin: MegatronLMPlugin | None = None,
+        *,
+        ddp_kwargs: DistributedDataParallelKwargs | None = None,
+        init_kwargs: InitProcessGroupKwargs | None = None,
+        strategy_name: str = "acc_megatron_lm",
+        accelerator: FabricAccelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: FabricPrecision | None = None,
+    ) -> None:
+        self._megatron = MegatronFamily(megatron_lm_plugin, ddp_kwargs)
+        self._megatron_modules: list[Module] = []
+        super().__init__(
+            ddp_kwargs=ddp_kwargs,
+            init_kwargs=init_kwargs,
+            strategy_name=strategy_name,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._megatron.check_devices(self.parallel_devices)
+        super()._configure_launcher()
+
+    @override
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()
+        self._megatron.setup_parallel_state(self.root_device)
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:

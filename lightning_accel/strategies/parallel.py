@@ -13,23 +13,27 @@ mesh)`` plays the part of ``configure_model``. Both also take a ``tp_plan`` they
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallelStrategy
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.config import ParallelismConfig
+from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
 from lightning_accel.lightning_compat import (
     get_device_mesh,
     get_parallelize_fn,
     lightning_private_members,
     set_device_mesh,
 )
-from lightning_accel.strategies.parallel_core import ParallelFamilyAdapter
+from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
 from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
@@ -45,8 +49,15 @@ ParallelizeFn = Callable[[Module, "DeviceMesh"], Module]
 class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, _TrainerModelParallelStrategy):
     """Trainer strategy for N-D parallelism from a :class:`~lightning_accel.config.ParallelismConfig`.
 
-    It takes :class:`~lightning_accel.strategies.parallel_core.ParallelFamilyAdapter`'s arguments
-    (``parallelism_config``, ``fsdp_plugin``, ``tp_plan``, ``strategy_name``, ``process_group_backend``, ``timeout``).
+    Args:
+        parallelism_config: The sizes of ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp``; their product must be the
+            number of processes. ``None`` replicates over all processes.
+        fsdp_plugin: FSDP2 settings for the shard dimensions; its ``state_dict_type`` chooses sharded
+            (``torch.distributed.checkpoint`` directory, the default) or full (one file) checkpoints.
+        tp_plan: A ``parallelize_module`` plan for the ``tp`` dimension, applied after ``configure_model``.
+        strategy_name: The name shown in messages (set by the registry).
+        process_group_backend: Collective backend; ``None`` picks gloo on CPU, nccl on CUDA.
+        timeout: Collective timeout.
 
     Example:
         >>> import lightning as L
@@ -56,9 +67,32 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
 
     """
 
-    _parallelized: Module | None = None
+    def __init__(
+        self,
+        parallelism_config: ParallelismConfig | None = None,
+        *,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        tp_plan: TensorParallelPlan | None = None,
+        strategy_name: str = "acc_parallel",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        self._parallel = ParallelFamily(parallelism_config, fsdp_plugin, tp_plan)
+        self.strategy_name = strategy_name
+        super().__init__(
+            save_distributed_checkpoint=not self._parallel.checkpoints.full_state_dict,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._parallelized: Module | None = None
 
     precision_plugin = translating(_TrainerModelParallelStrategy.precision_plugin)
+
+    @override
+    def _configure_launcher(self) -> None:
+        world_size = self.num_nodes * self.num_processes
+        self._parallel.configure_launch(world_size, self.parallel_devices, self.precision_plugin)
+        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
@@ -68,6 +102,11 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
         set_device_mesh(self, mesh)
         assert self.lightning_module is not None
         set_device_mesh(self.lightning_module, mesh)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._parallel.sampler_kwargs()
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -81,7 +120,12 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
             self._parallelized = self.model
         reshard(self.model)
         self.barrier()
-        self._setup_optimizers_and_precision(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
 
 @lightning_private_members("_configure_launcher", "_setup_distributed")
@@ -94,7 +138,11 @@ class FabricAcceleratedParallelStrategy(
         parallelism_config: As for the Trainer strategy.
         parallelize_fn: ``fn(module, device_mesh) -> module`` applying tensor parallelism (and, if it wants,
             ``fully_shard``) before the strategy shards what is left; ``None`` leaves it to ``tp_plan``.
-        **arguments: As for the Trainer strategy (``tp_plan`` is applied after ``parallelize_fn``).
+        fsdp_plugin: As for the Trainer strategy.
+        tp_plan: As for the Trainer strategy (applied after ``parallelize_fn``).
+        strategy_name: The name shown in messages (set by the registry).
+        process_group_backend: Collective backend; ``None`` picks gloo on CPU, nccl on CUDA.
+        timeout: Collective timeout.
 
     ``fabric.setup(model, optimizer)`` takes an optimizer built from the plain model and points it at the
     parallelized parameters (Accelerate's one-call ``prepare``); ``setup_module`` then ``setup_optimizers`` works too.
@@ -106,19 +154,40 @@ class FabricAcceleratedParallelStrategy(
         parallelism_config: ParallelismConfig | None = None,
         *,
         parallelize_fn: ParallelizeFn | None = None,
-        **arguments: Any,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        tp_plan: TensorParallelPlan | None = None,
+        strategy_name: str = "acc_parallel",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"`parallelize_fn` must be callable(module, device_mesh), got {parallelize_fn!r}.")
-        super().__init__(parallelism_config, parallelize_fn=parallelize_fn or _unchanged, **arguments)
+        self._parallel = ParallelFamily(parallelism_config, fsdp_plugin, tp_plan)
+        self.strategy_name = strategy_name
+        super().__init__(
+            parallelize_fn=parallelize_fn or _unchanged,
+            save_distributed_checkpoint=not self._parallel.checkpoints.full_state_dict,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
 
     precision = translating(_FabricModelParallelStrategy.precision)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._parallel.configure_launch(self.num_nodes * self.num_processes, self.parallel_devices, self.precision)
+        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
         """Start the process group and build Accelerate's mesh (``device_mesh`` and ``torch_device_mesh``)."""
         self._setup_distributed()
         set_device_mesh(self, self._parallel.build_mesh(self.root_device.type))
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._parallel.sampler_kwargs()
 
     @override
     def setup_module(self, module: Module) -> Module:

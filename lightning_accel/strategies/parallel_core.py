@@ -24,8 +24,6 @@ from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismCo
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.fsdp_core import FSDPFamily
-from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
-from lightning_accel.strategies.precision_bridge import strategy_precision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -271,65 +269,16 @@ class _OnDevices(Protocol):
     @property
     def parallel_devices(self) -> list[torch.device] | None: ...
 
-    @property
-    def num_nodes(self) -> int: ...
-
-    @property
-    def num_processes(self) -> int: ...
-
 
 class ParallelFamilyAdapter:
-    """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``.
-
-    Listed before Lightning's ``ModelParallelStrategy`` among the bases, so its constructor and members take
-    precedence over Lightning's.
-
-    Args:
-        parallelism_config: The sizes of ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp``; their product must be the
-            number of processes. ``None`` replicates over all processes.
-        fsdp_plugin: FSDP2 settings for the shard dimensions; its ``state_dict_type`` chooses sharded
-            (``torch.distributed.checkpoint`` directory, the default) or full (one file) checkpoints.
-        tp_plan: A ``parallelize_module`` plan for the ``tp`` dimension, applied after the user's own parallelization.
-        strategy_name: The name shown in messages (set by the registry).
-        **lightning_arguments: The other arguments are Lightning's ``ModelParallelStrategy``'s:
-            ``process_group_backend`` (``None`` picks gloo on CPU, nccl on CUDA) and ``timeout``.
-
-    """
+    """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``."""
 
     _parallel: ParallelFamily
     _checkpoint_label = "acc_parallel"
-    __signature__ = LightningArguments("process_group_backend", "timeout")
-
-    def __init__(
-        self,
-        parallelism_config: ParallelismConfig | None = None,
-        *,
-        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-        tp_plan: TensorParallelPlan | None = None,
-        strategy_name: str = "acc_parallel",
-        **lightning_arguments: Any,
-    ) -> None:
-        check_lightning_arguments(self, lightning_arguments)
-        self._parallel = ParallelFamily(parallelism_config, fsdp_plugin, tp_plan)
-        self.strategy_name = strategy_name
-        super().__init__(  # type: ignore[call-arg]  # Lightning's ModelParallelStrategy, after this class in the MRO
-            save_distributed_checkpoint=not self._parallel.checkpoints.full_state_dict, **lightning_arguments
-        )
-
-    def _configure_launcher(self: _OnDevices) -> None:
-        """Check the mesh against the processes and devices, and bind the precision, before Lightning launches."""
-        world_size = self.num_nodes * self.num_processes
-        self._parallel.configure_launch(world_size, self.parallel_devices, strategy_precision(self))
-        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
 
     @property
     def _sharding(self) -> FSDPFamily:
         return self._parallel.checkpoints
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Shard data over the data-parallel dimensions of the mesh."""
-        return self._parallel.sampler_kwargs()
 
     def _full_checkpoint_io(self) -> CheckpointIO:
         """Lightning's model-parallel strategies take no ``CheckpointIO``: full files go through torch's own."""

@@ -6,9 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies import SingleDeviceStrategy as _FabricSingleDeviceStrategy
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy as _TrainerSingleDeviceStrategy
 from torch.nn import Module
 from typing_extensions import override
@@ -18,8 +22,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import get_root_device, lightning_private_members, set_root_device
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
-from lightning_accel.strategies.lightning_arguments import LightningArguments, check_lightning_arguments
-from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision, translating
+from lightning_accel.strategies.precision_bridge import bind_precision, translating
 from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 
@@ -42,51 +45,24 @@ def _pick_device(
 
 
 class _SingleDeviceAdapter:
-    """What the Trainer and Fabric ``acc_no`` strategies share (listed before Lightning's strategy in the bases).
-
-    Args:
-        device: The device to use. ``None`` takes the device the Trainer's (or Fabric's) ``accelerator``/``devices``
-            select.
-        dynamo_plugin: ``torch.compile`` settings applied to the model at setup.
-        strategy_name: The name shown in messages (set by the registry).
-        checkpoint_io: Lightning's checkpoint I/O; ``None`` means :class:`NamingTorchCheckpointIO`.
-        **lightning_arguments: The other arguments are Lightning's ``SingleDeviceStrategy``'s: ``accelerator`` and
-            ``precision_plugin`` (the Trainer's) or ``precision`` (Fabric's).
-
-    """
+    """What the Trainer and Fabric ``acc_no`` strategies share (listed before Lightning's strategy in the bases)."""
 
     distributed_type = DistributedType.NO
     parallel_devices: list[torch.device] | None
-    __signature__ = LightningArguments("accelerator", "precision_plugin", "precision")
 
-    def __init__(
-        self,
-        device: torch.device | str | int | None = None,
-        *,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_no",
-        checkpoint_io: CheckpointIO | None = None,
-        **lightning_arguments: Any,
-    ) -> None:
-        check_lightning_arguments(self, lightning_arguments)
-        super().__init__(  # type: ignore[call-arg]  # Lightning's SingleDeviceStrategy, after this class in the MRO
-            device="cpu" if device is None else device,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
-            **lightning_arguments,
-        )
+    def _adopt(self, strategy_name: str, dynamo_plugin: TorchDynamoPlugin | None, device_given: bool) -> None:
+        """Keep the constructor's own arguments, once Lightning has parsed the device into ``_root_device``."""
         self._strategy_name = strategy_name
         self._dynamo_plugin = dynamo_plugin
-        # Lightning has parsed the device into `_root_device`.
-        self._explicit_device: torch.device | None = get_root_device(self) if device is not None else None
+        self._explicit_device: torch.device | None = get_root_device(self) if device_given else None
         # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
         self.parallel_devices = None
 
-    def _configure_launcher(self) -> None:
-        """Settle the device (the explicit one, else Lightning's single pick) and bind the precision to it."""
+    def _pick_device_and_bind(self, precision: Any) -> None:
+        """Settle the device (the explicit one, else Lightning's single pick) and bind ``precision`` to it."""
         device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
         set_root_device(self, device)
-        bind_precision(strategy_precision(self), [device])
-        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
+        bind_precision(precision, [device])
 
     def _compiled(self, module: Module) -> Module:
         """``module``, compiled in place as the dynamo plugin says."""
@@ -97,10 +73,38 @@ class _SingleDeviceAdapter:
 class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDeviceStrategy):
     """Trainer strategy for one process on one device: cpu, cuda, mps or whichever device the accelerator gives.
 
-    It takes the arguments of :class:`_SingleDeviceAdapter` (``device``, ``dynamo_plugin``, ``strategy_name``,
-    ``checkpoint_io``); the other arguments are Lightning's ``SingleDeviceStrategy``'s (``precision_plugin``, ...).
+    Args:
+        device: The device to use. ``None`` takes the device the Trainer's ``accelerator``/``devices`` select.
+        dynamo_plugin: ``torch.compile`` settings applied to the model at setup.
+        strategy_name: The name shown in messages (set by the registry).
+        accelerator: Passed to Lightning.
+        checkpoint_io: Passed to Lightning.
+        precision_plugin: Passed to Lightning.
 
     """
+
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        *,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        strategy_name: str = "acc_no",
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            device="cpu" if device is None else device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
+            precision_plugin=precision_plugin,
+        )
+        self._adopt(strategy_name, dynamo_plugin, device is not None)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._pick_device_and_bind(self.precision_plugin)
+        super()._configure_launcher()
 
     precision_plugin = translating(_TrainerSingleDeviceStrategy.precision_plugin)
 
@@ -114,6 +118,29 @@ class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDevice
 @lightning_private_members("_configure_launcher")
 class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleDeviceStrategy, ShimStrategyDefaults):
     """Fabric twin of :class:`AcceleratedSingleDeviceStrategy` (``precision`` instead of ``precision_plugin``)."""
+
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        *,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        strategy_name: str = "acc_no",
+        accelerator: FabricAccelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: FabricPrecision | None = None,
+    ) -> None:
+        super().__init__(
+            device="cpu" if device is None else device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
+            precision=precision,
+        )
+        self._adopt(strategy_name, dynamo_plugin, device is not None)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._pick_device_and_bind(self.precision)
+        super()._configure_launcher()
 
     precision = translating(_FabricSingleDeviceStrategy.precision)
 

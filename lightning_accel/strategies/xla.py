@@ -36,8 +36,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from lightning.fabric.accelerators import Accelerator as _FabricAccelerator
 from lightning.fabric.accelerators import XLAAccelerator as _FabricXLAAccelerator
 from lightning.fabric.strategies import SingleDeviceXLAStrategy as _FabricXLAStrategy
+from lightning.pytorch.accelerators import Accelerator as _TrainerAccelerator
 from lightning.pytorch.accelerators import CPUAccelerator as _TrainerCPUAccelerator
 from lightning.pytorch.accelerators import XLAAccelerator as _TrainerXLAAccelerator
 from lightning.pytorch.strategies import SingleDeviceXLAStrategy as _TrainerXLAStrategy
@@ -153,12 +155,12 @@ def _trainer_accelerator(accelerator: Any, own: Any) -> Any:
     )
 
 
-def _fabric_accelerator(accelerator: Any, own: Any = None) -> Any:
+def _fabric_accelerator(accelerator: Any) -> Any:
     """The accelerator the Fabric strategy takes from Lightning's connector: an XLA one, or an error with the fix.
 
     Fabric keeps the connector's accelerator for itself (``fabric.accelerator``, ``fabric.to_device``), so unlike the
     Trainer's, the strategy cannot swap Lightning's ``CPUAccelerator`` (the ``"auto"`` choice for a strategy name
-    without TPU chips) for a PJRT one (``own``, which it ignores): it refuses it instead of running half on each.
+    without TPU chips) for a PJRT one: it refuses it instead of running half on each.
 
     Raises:
         ValueError: If ``accelerator`` cannot drive an XLA device.
@@ -224,63 +226,19 @@ class FabricPJRTAccelerator(_PJRTDevices, _FabricXLAAccelerator):  # type: ignor
     _lightning_count = staticmethod(_FabricXLAAccelerator.auto_device_count)
 
 
-class _XLAFamilyAdapter:
-    """What the Trainer and Fabric ``acc_xla`` strategies share (listed before Lightning's strategy in the bases).
+class AcceleratedXLAStrategy(_TrainerXLAStrategy):
+    """Trainer strategy for ``DistributedType.XLA``: Lightning's ``SingleDeviceXLAStrategy`` on a PJRT accelerator.
 
     Args:
         device: The XLA device (``"xla:0"``).
         strategy_name: The name shown in messages (set by the registry).
-        **lightning_arguments: The other arguments are Lightning's ``SingleDeviceXLAStrategy``'s (``debug``,
-            ``checkpoint_io``, ...); ``accelerator`` defaults to the class's PJRT accelerator.
+        **kwargs: ``SingleDeviceXLAStrategy``'s arguments (``debug``, ``checkpoint_io``, ...); ``accelerator``
+            defaults to :class:`PJRTAccelerator`.
 
     Raises:
         ModuleNotFoundError: If ``torch_xla`` is not installed (the message names ``pip install torch-xla``).
-        ValueError: For an accelerator that cannot drive an XLA device, or several processes on PJRT's CPU runtime.
-
-    """
-
-    #: The accelerator built when none is given (the Trainer's or Fabric's PJRT accelerator).
-    _pjrt_accelerator: ClassVar[type[Any]]
-    #: Lightning's ``SingleDeviceXLAStrategy`` this adapter extends (the Trainer's or Fabric's).
-    _lightning_xla: ClassVar[Any]
-    strategy_name: str
-
-    @staticmethod
-    def _checked_accelerator(accelerator: Any, own: Any) -> Any:
-        """The accelerator kept when Lightning's connector assigns ``accelerator`` (``own`` is the current one)."""
-        raise NotImplementedError
-
-    @property
-    def accelerator(self) -> Any:
-        """Lightning's accelerator, checked on the way in to drive an XLA device."""
-        return self._lightning_xla.accelerator.fget(self)
-
-    @accelerator.setter
-    def accelerator(self, accelerator: Any) -> None:
-        self._lightning_xla.accelerator.fset(self, self._checked_accelerator(accelerator, self.accelerator))
-
-    def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **lightning_arguments: Any) -> None:
-        require_torch_xla()
-        lightning_arguments.setdefault("accelerator", self._pjrt_accelerator())
-        super().__init__(torch.device(device), **lightning_arguments)  # type: ignore[call-arg]  # Lightning's, next
-        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
-        self.accelerator = self.accelerator  # the check the connector's assignment gets
-        self.strategy_name = strategy_name
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """Accelerate's type: ``XLA``."""
-        return DistributedType.XLA
-
-
-class AcceleratedXLAStrategy(_XLAFamilyAdapter, _TrainerXLAStrategy):
-    """Trainer strategy for ``DistributedType.XLA``: Lightning's ``SingleDeviceXLAStrategy`` on a PJRT accelerator.
-
-    It takes :class:`_XLAFamilyAdapter`'s arguments; ``accelerator`` defaults to :class:`PJRTAccelerator`.
-
-    Raises:
-        ValueError: As :class:`_XLAFamilyAdapter` does, and (at ``fit``) for a Trainer whose ``devices`` give it more
-            than one device.
+        ValueError: For an accelerator that cannot drive an XLA device, several processes on PJRT's CPU runtime, or
+            (at ``fit``) a Trainer whose ``devices`` give it more than one device.
 
     Example:
         >>> import lightning as L
@@ -288,9 +246,24 @@ class AcceleratedXLAStrategy(_XLAFamilyAdapter, _TrainerXLAStrategy):
 
     """
 
-    _pjrt_accelerator = PJRTAccelerator
-    _lightning_xla = _TrainerXLAStrategy
-    _checked_accelerator = staticmethod(_trainer_accelerator)
+    def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
+        require_torch_xla()
+        kwargs.setdefault("accelerator", PJRTAccelerator())
+        super().__init__(torch.device(device), **kwargs)
+        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
+        self.accelerator = self.accelerator  # the check the connector's assignment gets
+        self.strategy_name = strategy_name
+
+    @property
+    @override
+    def accelerator(self) -> _TrainerAccelerator | None:
+        return _TrainerXLAStrategy.accelerator.fget(self)  # type: ignore[attr-defined]
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: _TrainerAccelerator | None) -> None:
+        own = self.accelerator
+        _TrainerXLAStrategy.accelerator.fset(self, _trainer_accelerator(accelerator, own))  # type: ignore[attr-defined]
 
     @override
     def setup_environment(self) -> None:
@@ -301,21 +274,49 @@ class AcceleratedXLAStrategy(_XLAFamilyAdapter, _TrainerXLAStrategy):
             _check_one_device(len(get_parallel_devices(connector)))
         super().setup_environment()
 
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's type: ``XLA``."""
+        return DistributedType.XLA
 
-class FabricAcceleratedXLAStrategy(ProcessGroupShards, _XLAFamilyAdapter, _FabricXLAStrategy, ShimStrategyDefaults):
+
+class FabricAcceleratedXLAStrategy(ProcessGroupShards, _FabricXLAStrategy, ShimStrategyDefaults):
     """Fabric strategy for ``DistributedType.XLA``: Lightning's Fabric ``SingleDeviceXLAStrategy`` on PJRT.
 
-    It takes :class:`_XLAFamilyAdapter`'s arguments; ``accelerator`` defaults to :class:`FabricPJRTAccelerator`.
+    Args:
+        device: The XLA device (``"xla:0"``).
+        strategy_name: The name shown in messages (set by the registry).
+        **kwargs: ``SingleDeviceXLAStrategy``'s arguments; ``accelerator`` defaults to :class:`FabricPJRTAccelerator`.
 
     Raises:
-        ValueError: As :class:`_XLAFamilyAdapter` does, also for Lightning's ``CPUAccelerator``, which
-            ``Fabric(strategy="acc_xla")`` picks without ``accelerator=``.
+        ModuleNotFoundError: If ``torch_xla`` is not installed (the message names ``pip install torch-xla``).
+        ValueError: For an accelerator that cannot drive an XLA device (Lightning's ``CPUAccelerator``, which
+            ``Fabric(strategy="acc_xla")`` picks without ``accelerator=``), or several processes on PJRT's CPU runtime.
 
     """
 
-    _pjrt_accelerator = FabricPJRTAccelerator
-    _lightning_xla = _FabricXLAStrategy
-    _checked_accelerator = staticmethod(_fabric_accelerator)
+    def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
+        require_torch_xla()
+        kwargs.setdefault("accelerator", FabricPJRTAccelerator())
+        super().__init__(torch.device(device), **kwargs)
+        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
+        self.accelerator = self.accelerator  # the check the connector's assignment gets
+        self.strategy_name = strategy_name
+
+    @property
+    @override
+    def accelerator(self) -> _FabricAccelerator | None:
+        return _FabricXLAStrategy.accelerator.fget(self)  # type: ignore[attr-defined]
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: _FabricAccelerator | None) -> None:
+        _FabricXLAStrategy.accelerator.fset(self, _fabric_accelerator(accelerator))  # type: ignore[attr-defined]
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's type: ``XLA``."""
+        return DistributedType.XLA
 
 
 ENTRIES = (
