@@ -455,23 +455,30 @@ def _find_final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
     return found
 
 
+def _in_a_unit(module: torch.nn.Module | None) -> bool:
+    """Whether ``module``'s parameters are already sharded: it, or a module holding it, is an FSDP2 unit."""
+    from torch.distributed.tensor import DTensor
+
+    return module is not None and any(isinstance(parameter, DTensor) for parameter in module.parameters())
+
+
 def _shard_embeddings_and_tail(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Shard the input embedding alone, and the final norm with the output embedding (and a tied input one).
 
-    The tail is not resharded after forward: backward starts with it.
+    The tail is not resharded after forward: backward starts with it. A module the auto-wrap policy already put in a
+    unit (BERT's ``_no_split_modules`` name ``BertEmbeddings``, which holds the input embedding) stays there; HF
+    accelerate 1.15 shards it a second time and ``fully_shard`` fails.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     fully_shard = _fully_shard()
     input_embed = getattr(model, "get_input_embeddings", lambda: None)()
     output_embed = getattr(model, "get_output_embeddings", lambda: None)()
     input_weight, output_weight = getattr(input_embed, "weight", None), getattr(output_embed, "weight", None)
     tied = input_weight is not None and input_weight is output_weight
-    if not tied and input_embed is not None and not isinstance(input_embed, FSDPModule):
+    if not tied and input_embed is not None and not _in_a_unit(input_embed):
         fully_shard(input_embed, **kwargs)
     final_norm = _find_final_norm(model)
     candidates = (final_norm, input_embed, output_embed) if tied else (final_norm, output_embed)
-    tail = [m for m in candidates if m is not None and not isinstance(m, FSDPModule)]
+    tail = [m for m in candidates if m is not None and not _in_a_unit(m)]
     if tail:
         fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
 

@@ -270,3 +270,55 @@ def test_auto_wrap_policy_single_process() -> None:
     )
     with pytest.raises(ValueError, match="Nope"):
         ours.fsdp2_prepare_auto_wrap_policy(missing, model)
+
+
+class _Embeddings(nn.Module):
+    """Holds the input embedding, as BERT's ``BertEmbeddings`` (one of its ``_no_split_modules``) does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.word = nn.Embedding(10, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.word(ids))
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embeddings = _Embeddings()
+        self.head = nn.Linear(4, 2)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embeddings.word
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embeddings(ids)).mean(1)
+
+
+def test_an_input_embedding_inside_a_policy_unit_stays_in_it() -> None:
+    """HF accelerate 1.15 shards the input embedding again and ``fully_shard`` fails (transformers.Trainer, BERT)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_accel.utils import FullyShardedDataParallelPlugin
+    from tests.helpers import free_port
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["_Embeddings"]
+    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _Classifier()
+        expected = model(torch.tensor([[1, 2, 3]]))
+        ours.apply_fsdp2(model, plugin, mesh=None, mp_policy=None)
+        units = sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule))
+        assert units == ["", "embeddings", "head"]
+        torch.testing.assert_close(model(torch.tensor([[1, 2, 3]])), expected)
+    finally:
+        dist.destroy_process_group()
