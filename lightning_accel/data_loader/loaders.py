@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
-from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import Self, override
 
@@ -279,7 +278,7 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
             if index == skip:
                 self._restore_resumed_rng()
             if self.device is not None:
-                current = _to_device(current, self.device, self.non_blocking)
+                current = send_to_device(current, self.device, non_blocking=self.non_blocking)
             if stateful:
                 self._snapshot()
             upcoming = next(batches, _END)
@@ -373,25 +372,6 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
 
 
 _END = object()
-
-
-def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    """``send_to_device(batch, device)``, without its ``.to`` calls where the batch is on ``device`` already.
-
-    That is a tensor, or a plain list, tuple or dict of tensors (a collated batch), all of them on ``device``: the
-    result is then what ``send_to_device`` returns for it (the tensor, or a new container of the same tensors).
-    """
-    kind = type(batch)
-    items = batch.values() if kind is dict else batch if kind is tuple or kind is list else None
-    if items is not None:
-        for item in items:
-            if not isinstance(item, Tensor) or item.device != device:
-                break
-        else:
-            return kind(batch)
-    elif isinstance(batch, Tensor) and batch.device == device:
-        return batch
-    return send_to_device(batch, device, non_blocking=non_blocking)
 
 
 @dataclass(frozen=True)

@@ -158,16 +158,22 @@ def send_to_device(
 
     """
     if isinstance(tensor, Tensor):
-        return tensor.to(device, non_blocking=non_blocking)
-    if skip_keys is None and type(tensor) in (list, tuple):  # a loader's usual batch, moved every step
-        return type(tensor)(
+        return _moved(tensor, device, non_blocking)
+    kind = type(tensor)
+    if skip_keys is None and (kind is list or kind is tuple):  # a loader's usual batch, moved every step
+        return kind(
             [
-                t.to(device, non_blocking=non_blocking)
-                if isinstance(t, Tensor)
-                else send_to_device(t, device, non_blocking)
+                _moved(t, device, non_blocking) if isinstance(t, Tensor) else send_to_device(t, device, non_blocking)
                 for t in tensor
             ]
         )
+    if skip_keys is None and kind is dict:
+        return {
+            key: _moved(value, device, non_blocking)
+            if isinstance(value, Tensor)
+            else send_to_device(value, device, non_blocking)
+            for key, value in tensor.items()
+        }
     skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
     if isinstance(tensor, (list, tuple)):
         return _rebuild(tensor, [send_to_device(t, device, non_blocking, skip_keys) for t in tensor])
@@ -183,6 +189,11 @@ def send_to_device(
         except TypeError:  # a `.to` without `non_blocking`
             return tensor.to(device)
     return tensor
+
+
+def _moved(tensor: Tensor, device: torch.device | str, non_blocking: bool) -> Tensor:
+    """``tensor`` on ``device``; one already there is returned without a ``.to`` call (it would return it too)."""
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=non_blocking)
 
 
 def get_data_structure(data: Any) -> Any:
