@@ -13,15 +13,11 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _RunAlias, _RunTracker, as_python_scalar, on_main_process
 
 __all__ = ["AIM_INSTALL", "AimTracker"]
 
 AIM_INSTALL = "pip install 'aim<4'  (the 3.x API)"
-
-
-def _aim() -> Any:
-    return import_tracker_package("aim", AIM_INSTALL)
 
 
 class AimTracker(_RunTracker):
@@ -36,21 +32,20 @@ class AimTracker(_RunTracker):
     """
 
     name = "aim"
+    _package_name = "aim"
+    _install = AIM_INSTALL
     requires_logging_directory = True
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike[str] | None = ".", **kwargs: Any) -> None:
         self.aim_repo_path = kwargs.pop("repo", logging_dir)
         super().__init__(run_name, **kwargs)
 
-    @property
-    def writer(self) -> Any:
-        """The ``aim.Run`` (Accelerate's attribute name)."""
-        return self.run
+    writer = _RunAlias("The ``aim.Run`` (Accelerate's attribute name).")
 
     @override
     def _open_run(self) -> Any:
         repo = None if self.aim_repo_path is None else str(self.aim_repo_path)
-        run = _aim().Run(repo=repo, **self.init_kwargs)
+        run = self._package().Run(repo=repo, **self.init_kwargs)
         run.name = self.run_name
         return run
 
@@ -82,7 +77,7 @@ class AimTracker(_RunTracker):
                 ``Run.track``.
 
         """
-        aim = _aim()
+        aim = self._package()
         image_kwargs = dict((kwargs or {}).get("aim_image", {}))
         track_kwargs = dict((kwargs or {}).get("track", {}))
         for key, value in values.items():

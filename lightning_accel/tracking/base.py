@@ -6,14 +6,21 @@ import abc
 import functools
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, ClassVar, NamedTuple, TypeVar, cast
 
 import torch
 from typing_extensions import override
 
 from lightning_accel.state import PartialState
 
-__all__ = ["GeneralTracker", "as_python_scalar", "import_tracker_package", "on_main_process"]
+__all__ = [
+    "GeneralTracker",
+    "KindWriters",
+    "as_python_scalar",
+    "import_tracker_package",
+    "log_by_kind",
+    "on_main_process",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -52,6 +59,44 @@ def as_python_scalar(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return value
+
+
+class KindWriters(NamedTuple):
+    """Where each of Accelerate's value kinds goes: numbers, strings, and dicts of numbers (a group)."""
+
+    number: Callable[[str, float], object]
+    text: Callable[[str, str], object]
+    group: Callable[[str, dict[str, Any]], object]
+
+
+def log_by_kind(
+    package: str,
+    values: Mapping[str, Any],
+    writers: KindWriters,
+    scalar: Callable[[Any], Any] = as_python_scalar,
+) -> None:
+    """Hand each value to the writer of its kind, after ``scalar`` turned tensors into numbers.
+
+    Args:
+        package: The tracker's package, for the error.
+        values: Key to value, as given to ``log``.
+        writers: One writer per kind, each called with the key and the value.
+        scalar: Turns the tensors the tracker takes as numbers into them (default: one-element tensors).
+
+    Raises:
+        TypeError: For a value of another kind.
+
+    """
+    for key, raw in values.items():
+        value = scalar(raw)
+        if isinstance(value, (int, float)):
+            writers.number(key, value)
+        elif isinstance(value, str):
+            writers.text(key, value)
+        elif isinstance(value, dict):
+            writers.group(key, value)
+        else:
+            raise TypeError(f"{package} cannot log {key}={type(value).__name__}; log numbers, strings or dicts.")
 
 
 class GeneralTracker:
@@ -111,10 +156,23 @@ class _RunTracker(GeneralTracker, abc.ABC):
 
     """
 
+    # The tracker's package and the command that installs it, for ``_package``.
+    _package_name: ClassVar[str] = ""
+    _install: ClassVar[str] = ""
+
     def __init__(self, run_name: str | None, **kwargs: Any) -> None:
         self.run_name = run_name
         self.init_kwargs = kwargs
         self.run: Any = None
+
+    def _package(self) -> Any:
+        """The tracker's package, imported when first asked for.
+
+        Raises:
+            ImportError: If it is not installed (the message says how to install it).
+
+        """
+        return import_tracker_package(self._package_name, self._install)
 
     @abc.abstractmethod
     def _open_run(self) -> Any:
@@ -156,6 +214,24 @@ class _RunTracker(GeneralTracker, abc.ABC):
     @on_main_process
     def finish(self) -> None:
         self._close_run()
+
+
+class _RunAlias:
+    """Accelerate's read-only name for a tracker's run object (``writer``, ``task``, ``live``).
+
+    Args:
+        doc: What the run object is.
+
+    """
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __get__(self, tracker: _RunTracker | None, owner: type | None = None) -> Any:
+        return self if tracker is None else tracker.run
+
+    def __set__(self, tracker: _RunTracker, value: Any) -> None:
+        raise AttributeError("read-only: it is the tracker's `run`")
 
 
 class _TableTracker(_RunTracker):

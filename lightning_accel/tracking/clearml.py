@@ -19,10 +19,10 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_accel.tracking.base import (
+    _RunAlias,
     _Table,
     _TableTracker,
     as_python_scalar,
-    import_tracker_package,
     on_main_process,
 )
 
@@ -31,10 +31,6 @@ __all__ = ["CLEARML_INSTALL", "ClearMLTracker"]
 CLEARML_INSTALL = "pip install clearml"
 
 _SERIES = ("eval", "test", "train")
-
-
-def _task_class() -> Any:
-    return import_tracker_package("clearml", CLEARML_INSTALL).Task
 
 
 def title_and_series(name: str) -> tuple[str, str]:
@@ -57,6 +53,8 @@ class ClearMLTracker(_TableTracker):
     """
 
     name = "clearml"
+    _package_name = "clearml"
+    _install = CLEARML_INSTALL
     requires_logging_directory = False
 
     def __init__(self, run_name: str | None = None, **kwargs: Any) -> None:
@@ -64,14 +62,11 @@ class ClearMLTracker(_TableTracker):
         self.user_provided_run_name = run_name
         self._initialized_externally = False
 
-    @property
-    def task(self) -> Any:
-        """The ``clearml.Task`` (Accelerate's attribute name)."""
-        return self.run
+    task = _RunAlias("The ``clearml.Task`` (Accelerate's attribute name).")
 
     @override
     def _open_run(self) -> Any:
-        task_class = _task_class()
+        task_class = self._package().Task
         current = task_class.current_task()
         if current is not None:
             self._initialized_externally = True

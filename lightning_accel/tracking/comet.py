@@ -13,7 +13,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package
+from lightning_accel.tracking.base import KindWriters, _RunAlias, _RunTracker, log_by_kind
 
 __all__ = ["COMET_INSTALL", "CometMLTracker"]
 
@@ -31,17 +31,15 @@ class CometMLTracker(_RunTracker):
     """
 
     name = "comet_ml"
+    _package_name = "comet_ml"
+    _install = COMET_INSTALL
     requires_logging_directory = False
 
-    @property
-    def writer(self) -> Any:
-        """The Comet experiment (Accelerate's attribute name)."""
-        return self.run
+    writer = _RunAlias("The Comet experiment (Accelerate's attribute name).")
 
     @override
     def _open_run(self) -> Any:
-        comet_ml = import_tracker_package("comet_ml", COMET_INSTALL)
-        return comet_ml.start(project_name=self.run_name, **self.init_kwargs)
+        return self._package().start(project_name=self.run_name, **self.init_kwargs)
 
     @override
     def _store_config(self, values: dict[str, Any]) -> None:
@@ -49,24 +47,15 @@ class CometMLTracker(_RunTracker):
 
     @override
     def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
-        """Numbers (and one-element tensors) as metrics, strings as "other" values, dicts of numbers as metrics.
-
-        Raises:
-            TypeError: For values of another type.
-
-        """
+        """Numbers (and one-element tensors) as metrics, strings as "other" values, dicts of numbers as metrics."""
         if step is not None:
             self.run.set_step(step)
-        for key, raw in values.items():
-            value = as_python_scalar(raw)
-            if isinstance(value, (int, float)):
-                self.run.log_metric(key, value, step=step, **kwargs)
-            elif isinstance(value, str):
-                self.run.log_other(key, value, **kwargs)
-            elif isinstance(value, dict):
-                self.run.log_metrics(value, step=step, **kwargs)
-            else:
-                raise TypeError(f"Comet cannot log {key}={type(value).__name__}; log numbers, strings or dicts.")
+        writers = KindWriters(
+            number=lambda key, value: self.run.log_metric(key, value, step=step, **kwargs),
+            text=lambda key, value: self.run.log_other(key, value, **kwargs),
+            group=lambda _, value: self.run.log_metrics(value, step=step, **kwargs),
+        )
+        log_by_kind("Comet", values, writers)
 
     @override
     def _close_run(self) -> None:

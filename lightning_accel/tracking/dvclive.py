@@ -14,7 +14,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package
+from lightning_accel.tracking.base import _RunAlias, _RunTracker, as_python_scalar
 
 __all__ = ["DVCLIVE_INSTALL", "DVCLiveTracker"]
 
@@ -32,6 +32,8 @@ class DVCLiveTracker(_RunTracker):
     """
 
     name = "dvclive"
+    _package_name = "dvclive"
+    _install = DVCLIVE_INSTALL
     requires_logging_directory = False
 
     def __init__(self, run_name: str | None = None, live: Any | None = None, **kwargs: Any) -> None:
@@ -39,16 +41,13 @@ class DVCLiveTracker(_RunTracker):
         del run_name
         self.run = live
 
-    @property
-    def live(self) -> Any:
-        """The ``dvclive.Live`` (Accelerate's attribute name)."""
-        return self.run
+    live = _RunAlias("The ``dvclive.Live`` (Accelerate's attribute name).")
 
     @override
     def _open_run(self) -> Any:
         if self.run is not None:
             return self.run
-        return import_tracker_package("dvclive", DVCLIVE_INSTALL).Live(**self.init_kwargs)
+        return self._package().Live(**self.init_kwargs)
 
     @override
     def _store_config(self, values: dict[str, Any]) -> None:

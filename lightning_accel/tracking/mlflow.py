@@ -29,10 +29,6 @@ _TRUE = {"1", "true", "yes", "y", "on", "t"}
 _FALSE = {"0", "false", "no", "n", "off", "f"}
 
 
-def _mlflow() -> Any:
-    return import_tracker_package("mlflow", MLFLOW_INSTALL)
-
-
 def _env_flag(name: str, default: bool) -> bool:
     text = os.environ.get(name)
     if text is None:
@@ -67,6 +63,8 @@ class MLflowTracker(_RunTracker):
     """
 
     name = "mlflow"
+    _package_name = "mlflow"
+    _install = MLFLOW_INSTALL
     requires_logging_directory = False
 
     def __init__(
@@ -104,7 +102,7 @@ class MLflowTracker(_RunTracker):
 
     @override
     def _open_run(self) -> Any:
-        mlflow = _mlflow()
+        mlflow = self._package()
         return mlflow.start_run(
             run_id=self.run_id,
             experiment_id=self._experiment_id(mlflow),
@@ -117,7 +115,7 @@ class MLflowTracker(_RunTracker):
     @override
     def _store_config(self, values: dict[str, Any]) -> None:
         """Log ``values`` as run parameters, in batches of mlflow's limit; values too long for mlflow are dropped."""
-        mlflow = _mlflow()
+        mlflow = self._package()
         limits = import_tracker_package("mlflow.utils.validation", MLFLOW_INSTALL)
         params = {}
         for key, value in values.items():
@@ -144,23 +142,23 @@ class MLflowTracker(_RunTracker):
                 )
             else:
                 metrics[key] = number
-        _mlflow().log_metrics(metrics, step=step, **kwargs)
+        self._package().log_metrics(metrics, step=step, **kwargs)
 
     @on_main_process
     def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
         """``mlflow.log_figure`` into the run (matplotlib or plotly figure)."""
-        _mlflow().log_figure(figure=figure, artifact_file=artifact_file, **save_kwargs)
+        self._package().log_figure(figure=figure, artifact_file=artifact_file, **save_kwargs)
 
     @on_main_process
     def log_artifacts(self, local_dir: str, artifact_path: str | None = None) -> None:
         """Copy the files of ``local_dir`` into the run's artifacts (under ``artifact_path``)."""
-        _mlflow().log_artifacts(local_dir=local_dir, artifact_path=artifact_path)
+        self._package().log_artifacts(local_dir=local_dir, artifact_path=artifact_path)
 
     @on_main_process
     def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         """Copy the file ``local_path`` into the run's artifacts (under ``artifact_path``)."""
-        _mlflow().log_artifact(local_path=local_path, artifact_path=artifact_path)
+        self._package().log_artifact(local_path=local_path, artifact_path=artifact_path)
 
     @override
     def _close_run(self) -> None:
-        _mlflow().end_run()
+        self._package().end_run()

@@ -16,17 +16,13 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _RunTracker, as_python_scalar, on_main_process
 
 __all__ = ["SWANLAB_INSTALL", "SwanLabTracker"]
 
 SWANLAB_INSTALL = "pip install swanlab"
 
 FRAMEWORK = "lightning_accel"
-
-
-def _swanlab() -> Any:
-    return import_tracker_package("swanlab", SWANLAB_INSTALL)
 
 
 class SwanLabTracker(_RunTracker):
@@ -39,12 +35,14 @@ class SwanLabTracker(_RunTracker):
     """
 
     name = "swanlab"
+    _package_name = "swanlab"
+    _install = SWANLAB_INSTALL
     requires_logging_directory = False
     main_process_only = False
 
     @override
     def _open_run(self) -> Any:
-        swanlab = _swanlab()
+        swanlab = self._package()
         run = swanlab.init(project=self.run_name, **self.init_kwargs)
         swanlab.config["FRAMEWORK"] = FRAMEWORK
         return run
@@ -52,7 +50,7 @@ class SwanLabTracker(_RunTracker):
     @override
     def _store_config(self, values: dict[str, Any]) -> None:
         """Merge ``values`` into the run's config (values may change, as in Accelerate)."""
-        config = _swanlab().config
+        config = self._package().config
         if "allow_val_change" in inspect.signature(config.update).parameters:
             config.update(values, allow_val_change=True)
         else:
@@ -66,6 +64,6 @@ class SwanLabTracker(_RunTracker):
     @on_main_process
     def log_images(self, values: Mapping[str, Sequence[Any]], step: int | None = None, **kwargs: Any) -> None:
         """Log each key's images (numpy arrays or PIL images) as a list of ``swanlab.Image``, one call per key."""
-        swanlab = _swanlab()
+        swanlab = self._package()
         for key, images in values.items():
             self.log({key: [swanlab.Image(image) for image in images]}, step=step, **kwargs)

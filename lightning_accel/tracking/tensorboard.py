@@ -8,9 +8,14 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _RunTracker
+from lightning_accel.tracking.base import KindWriters, _RunTracker, log_by_kind
 
 __all__ = ["TensorBoardTracker"]
+
+
+def _zero_dim_as_number(value: Any) -> Any:
+    """A 0-d tensor as its Python number (the tensors TensorBoard logs as scalars); any other value unchanged."""
+    return value.item() if isinstance(value, torch.Tensor) and value.ndim == 0 else value
 
 
 class TensorBoardTracker(_RunTracker):
@@ -48,21 +53,13 @@ class TensorBoardTracker(_RunTracker):
 
     @override
     def _log_values(self, values: Mapping[str, Any], step: int | None, kwargs: dict[str, Any]) -> None:
-        """Scalars (numbers, 0-d tensors) as scalars, strings as text, dicts of numbers as grouped scalars.
-
-        Raises:
-            TypeError: For values of another type.
-
-        """
-        for key, value in values.items():
-            if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
-                self.run.log_metrics({key: float(value)}, step=step)
-            elif isinstance(value, str):
-                self.tracker.add_text(key, value, global_step=step, **kwargs)
-            elif isinstance(value, dict):
-                self.tracker.add_scalars(key, value, global_step=step, **kwargs)
-            else:
-                raise TypeError(f"TensorBoard cannot log {key}={type(value).__name__}; log numbers, strings or dicts.")
+        """Scalars (numbers, 0-d tensors) as scalars, strings as text, dicts of numbers as grouped scalars."""
+        writers = KindWriters(
+            number=lambda key, value: self.run.log_metrics({key: float(value)}, step=step),
+            text=lambda key, value: self.tracker.add_text(key, value, global_step=step, **kwargs),
+            group=lambda key, value: self.tracker.add_scalars(key, value, global_step=step, **kwargs),
+        )
+        log_by_kind("TensorBoard", values, writers, scalar=_zero_dim_as_number)
         self.tracker.flush()
 
     @override

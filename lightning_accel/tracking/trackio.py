@@ -14,7 +14,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _RunTracker, as_python_scalar, import_tracker_package
+from lightning_accel.tracking.base import _RunTracker, as_python_scalar
 
 __all__ = ["TRACKIO_INSTALL", "TrackioTracker"]
 
@@ -32,12 +32,14 @@ class TrackioTracker(_RunTracker):
     """
 
     name = "trackio"
+    _package_name = "trackio"
+    _install = TRACKIO_INSTALL
     requires_logging_directory = False
     main_process_only = False
 
     @override
     def _open_run(self) -> Any:
-        return import_tracker_package("trackio", TRACKIO_INSTALL).init(project=self.run_name, **self.init_kwargs)
+        return self._package().init(project=self.run_name, **self.init_kwargs)
 
     @override
     def _store_config(self, values: dict[str, Any]) -> None:

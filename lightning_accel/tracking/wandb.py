@@ -13,15 +13,11 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_accel.tracking.base import _Table, _TableTracker, import_tracker_package, on_main_process
+from lightning_accel.tracking.base import _Table, _TableTracker, on_main_process
 
 __all__ = ["WANDB_INSTALL", "WandBTracker"]
 
 WANDB_INSTALL = "pip install 'lightning-accel[wandb]'"
-
-
-def _wandb() -> Any:
-    return import_tracker_package("wandb", WANDB_INSTALL)
 
 
 class WandBTracker(_TableTracker):
@@ -37,6 +33,8 @@ class WandBTracker(_TableTracker):
     """
 
     name = "wandb"
+    _package_name = "wandb"
+    _install = WANDB_INSTALL
     requires_logging_directory = False
     main_process_only = False
 
@@ -50,7 +48,7 @@ class WandBTracker(_TableTracker):
 
     @override
     def _open_run(self) -> Any:
-        return _wandb().init(project=self.run_name, **self.init_kwargs)
+        return self._package().init(project=self.run_name, **self.init_kwargs)
 
     @override
     def _store_config(self, values: dict[str, Any]) -> None:
@@ -65,12 +63,12 @@ class WandBTracker(_TableTracker):
     @on_main_process
     def log_images(self, values: Mapping[str, Sequence[Any]], step: int | None = None, **kwargs: Any) -> None:
         """Log each key's images (arrays, tensors or PIL images) as a list of ``wandb.Image``, one call per key."""
-        wandb = _wandb()
+        wandb = self._package()
         for key, images in values.items():
             self.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
 
     @override
     def _log_table(self, table_name: str, table: _Table, step: int | None, kwargs: dict[str, Any]) -> None:
         """Log a ``wandb.Table`` built from ``columns`` and ``data``, or from ``dataframe``."""
-        wandb_table = _wandb().Table(columns=table.columns, data=table.data, dataframe=table.dataframe)
+        wandb_table = self._package().Table(columns=table.columns, data=table.data, dataframe=table.dataframe)
         self.log({table_name: wandb_table}, step=step, **kwargs)
