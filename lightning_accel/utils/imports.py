@@ -113,37 +113,60 @@ def _at_least(distribution: str, minimum: str) -> bool:
     return compare_versions(parse(importlib.metadata.version(distribution)), ">=", minimum)
 
 
+def _installed(
+    name: str, module: str, distribution: str | None = None, minimum: str | None = None
+) -> Callable[[], bool]:
+    """The check ``name``: whether ``module`` is installed (from ``distribution``, in version ``minimum`` or newer)."""
+
+    def check() -> bool:
+        if not _is_package_available(module, distribution):
+            return False
+        return minimum is None or _at_least(distribution or module, minimum)
+
+    check.__name__ = check.__qualname__ = name
+    source = f" (distribution ``{distribution}``)" if distribution else ""
+    version = f" {minimum} or newer" if minimum else ""
+    check.__doc__ = f"Whether ``{module}``{source}{version} is installed."
+    return check
+
+
 # ---- packages ------------------------------------------------------------------------------------------------------
 
-
-def is_import_timer_available() -> bool:
-    """Whether ``import_timer`` (the tuna-compatible import profiler) is installed."""
-    return _is_package_available("import_timer")
+# The checks that only ask whether a package (in a version, when given) is installed.
+is_import_timer_available = _installed("is_import_timer_available", "import_timer")
+is_amdsmi_available = _installed("is_amdsmi_available", "amdsmi")
+is_pytest_available = _installed("is_pytest_available", "pytest")
+is_msamp_available = _installed("is_msamp_available", "msamp", distribution="ms-amp")
+is_schedulefree_available = _installed("is_schedulefree_available", "schedulefree")
+is_lomo_available = _installed("is_lomo_available", "lomo_optim")
+is_torchao_available = _installed("is_torchao_available", "torchao", minimum="0.6.1")
+is_deepspeed_available = _installed("is_deepspeed_available", "deepspeed")
+is_4bit_bnb_available = _installed("is_4bit_bnb_available", "bitsandbytes", minimum="0.39.0")
+is_8bit_bnb_available = _installed("is_8bit_bnb_available", "bitsandbytes", minimum="0.37.2")
+is_torchvision_available = _installed("is_torchvision_available", "torchvision")
+is_transformers_available = _installed("is_transformers_available", "transformers")
+is_datasets_available = _installed("is_datasets_available", "datasets")
+is_peft_available = _installed("is_peft_available", "peft")
+is_timm_available = _installed("is_timm_available", "timm")
+is_wandb_available = _installed("is_wandb_available", "wandb")
+is_comet_ml_available = _installed("is_comet_ml_available", "comet_ml")
+is_swanlab_available = _installed("is_swanlab_available", "swanlab")
+is_boto3_available = _installed("is_boto3_available", "boto3")
+is_sagemaker_available = _installed("is_sagemaker_available", "sagemaker")
+is_tqdm_available = _installed("is_tqdm_available", "tqdm")
+is_clearml_available = _installed("is_clearml_available", "clearml")
+is_pandas_available = _installed("is_pandas_available", "pandas")
+is_matplotlib_available = _installed("is_matplotlib_available", "matplotlib")
+is_dvclive_available = _installed("is_dvclive_available", "dvclive")
+is_torchdata_available = _installed("is_torchdata_available", "torchdata")
+is_torchdata_stateful_dataloader_available = _installed(
+    "is_torchdata_stateful_dataloader_available", "torchdata", minimum="0.8.0"
+)
 
 
 def is_pynvml_available() -> bool:
     """Whether NVML's Python bindings are installed (``pynvml`` or ``nvidia-ml-py``)."""
     return _is_package_available("pynvml") or _is_package_available("pynvml", "nvidia-ml-py")
-
-
-def is_amdsmi_available() -> bool:
-    """Whether AMD SMI's Python bindings are installed."""
-    return _is_package_available("amdsmi")
-
-
-def is_pytest_available() -> bool:
-    """Whether pytest is installed."""
-    return _is_package_available("pytest")
-
-
-def is_msamp_available() -> bool:
-    """Whether MS-AMP is installed."""
-    return _is_package_available("msamp", "ms-amp")
-
-
-def is_schedulefree_available() -> bool:
-    """Whether ``schedulefree`` is installed."""
-    return _is_package_available("schedulefree")
 
 
 def is_transformer_engine_available() -> bool:
@@ -162,34 +185,9 @@ def is_transformer_engine_mxfp8_available() -> bool:
     return bool(check_mxfp8_support()[0])
 
 
-def is_lomo_available() -> bool:
-    """Whether ``lomo_optim`` is installed."""
-    return _is_package_available("lomo_optim")
-
-
-def is_torchao_available() -> bool:
-    """Whether torchao 0.6.1 or newer is installed."""
-    return _is_package_available("torchao") and _at_least("torchao", "0.6.1")
-
-
-def is_deepspeed_available() -> bool:
-    """Whether DeepSpeed is installed."""
-    return _is_package_available("deepspeed")
-
-
 def is_pippy_available() -> bool:
     """Whether torch's pipeline parallelism (``torch.distributed.pipelining``, torch 2.4+) is available."""
     return is_torch_version(">=", "2.4.0")
-
-
-def is_4bit_bnb_available() -> bool:
-    """Whether bitsandbytes 0.39.0 or newer (4-bit) is installed."""
-    return _is_package_available("bitsandbytes") and _at_least("bitsandbytes", "0.39.0")
-
-
-def is_8bit_bnb_available() -> bool:
-    """Whether bitsandbytes 0.37.2 or newer (8-bit) is installed."""
-    return _is_package_available("bitsandbytes") and _at_least("bitsandbytes", "0.37.2")
 
 
 def is_bnb_available(min_version: str | None = None) -> bool:
@@ -208,11 +206,6 @@ def is_bitsandbytes_multi_backend_available() -> bool:
     return "multi_backend" in getattr(bitsandbytes, "features", set())
 
 
-def is_torchvision_available() -> bool:
-    """Whether torchvision is installed."""
-    return _is_package_available("torchvision")
-
-
 def is_megatron_lm_available() -> bool:
     """Whether Megatron-LM is asked for (``ACCELERATE_USE_MEGATRON_LM``) and installed (megatron-core 0.8+)."""
     if not parse_flag_from_env("ACCELERATE_USE_MEGATRON_LM") or importlib.util.find_spec("megatron") is None:
@@ -222,26 +215,6 @@ def is_megatron_lm_available() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return new_enough and importlib.util.find_spec("megatron.training") is not None
-
-
-def is_transformers_available() -> bool:
-    """Whether transformers is installed."""
-    return _is_package_available("transformers")
-
-
-def is_datasets_available() -> bool:
-    """Whether datasets is installed."""
-    return _is_package_available("datasets")
-
-
-def is_peft_available() -> bool:
-    """Whether PEFT is installed."""
-    return _is_package_available("peft")
-
-
-def is_timm_available() -> bool:
-    """Whether timm is installed."""
-    return _is_package_available("timm")
 
 
 def is_triton_available() -> bool:
@@ -261,29 +234,9 @@ def is_tensorboard_available() -> bool:
     return _is_package_available("tensorboard") or _is_package_available("tensorboardX")
 
 
-def is_wandb_available() -> bool:
-    """Whether Weights & Biases is installed."""
-    return _is_package_available("wandb")
-
-
-def is_comet_ml_available() -> bool:
-    """Whether Comet ML is installed."""
-    return _is_package_available("comet_ml")
-
-
-def is_swanlab_available() -> bool:
-    """Whether SwanLab is installed."""
-    return _is_package_available("swanlab")
-
-
 def is_trackio_available() -> bool:
     """Whether Trackio is installed (it needs Python 3.10+)."""
     return sys.version_info >= (3, 10) and _is_package_available("trackio")
-
-
-def is_boto3_available() -> bool:
-    """Whether boto3 is installed."""
-    return _is_package_available("boto3")
 
 
 def is_rich_available() -> bool:
@@ -291,49 +244,9 @@ def is_rich_available() -> bool:
     return _is_package_available("rich") and parse_flag_from_env("ACCELERATE_ENABLE_RICH")
 
 
-def is_sagemaker_available() -> bool:
-    """Whether the SageMaker SDK is installed."""
-    return _is_package_available("sagemaker")
-
-
-def is_tqdm_available() -> bool:
-    """Whether tqdm is installed."""
-    return _is_package_available("tqdm")
-
-
-def is_clearml_available() -> bool:
-    """Whether ClearML is installed."""
-    return _is_package_available("clearml")
-
-
-def is_pandas_available() -> bool:
-    """Whether pandas is installed."""
-    return _is_package_available("pandas")
-
-
-def is_matplotlib_available() -> bool:
-    """Whether matplotlib is installed."""
-    return _is_package_available("matplotlib")
-
-
 def is_mlflow_available() -> bool:
     """Whether MLflow is installed (the full ``mlflow`` or ``mlflow-skinny``)."""
     return _is_package_available("mlflow") or _is_package_available("mlflow", "mlflow-skinny")
-
-
-def is_dvclive_available() -> bool:
-    """Whether DVCLive is installed."""
-    return _is_package_available("dvclive")
-
-
-def is_torchdata_available() -> bool:
-    """Whether torchdata is installed."""
-    return _is_package_available("torchdata")
-
-
-def is_torchdata_stateful_dataloader_available() -> bool:
-    """Whether torchdata 0.8.0 or newer (with ``StatefulDataLoader``) is installed."""
-    return _is_package_available("torchdata") and _at_least("torchdata", "0.8.0")
 
 
 def is_weights_only_available() -> bool:
@@ -428,6 +341,25 @@ def _vendor_device(module: str, device: str, check_device: bool) -> bool:
     return bool(backend.is_available())
 
 
+def _vendor_check(name: str, module: str, device: str) -> functools._lru_cache_wrapper[bool]:
+    """The cached check ``name(check_device=False)``: :func:`_vendor_device` for ``module`` and ``torch.<device>``."""
+
+    @functools.lru_cache
+    def check(check_device: bool = False) -> bool:
+        return _vendor_device(module, device, check_device)
+
+    check.__name__ = check.__qualname__ = name
+    check.__doc__ = f"Whether ``{module}`` is installed and ``torch.{device}`` sees a device (cached)."
+    return check
+
+
+# The vendor extensions asked the same way (Moore Threads MUSA, Ascend NPU, Tecorigin SDAA, AWS Neuron).
+is_musa_available = _vendor_check("is_musa_available", "torch_musa", "musa")
+is_npu_available = _vendor_check("is_npu_available", "torch_npu", "npu")
+is_sdaa_available = _vendor_check("is_sdaa_available", "torch_sdaa", "sdaa")
+is_neuron_available = _vendor_check("is_neuron_available", "torch_neuronx", "neuron")
+
+
 @functools.lru_cache
 def is_mlu_available(check_device: bool = False) -> bool:
     """Whether ``torch_mlu`` is installed and sees a Cambricon MLU (asked through CNDEV, without initialising it).
@@ -440,30 +372,6 @@ def is_mlu_available(check_device: bool = False) -> bool:
     importlib.import_module("torch_mlu")
     with patch_environment(PYTORCH_CNDEV_BASED_MLU_CHECK="1"):
         return bool(torch.mlu.is_available())  # type: ignore[attr-defined]
-
-
-@functools.lru_cache
-def is_musa_available(check_device: bool = False) -> bool:
-    """Whether ``torch_musa`` is installed and sees a Moore Threads GPU."""
-    return _vendor_device("torch_musa", "musa", check_device)
-
-
-@functools.lru_cache
-def is_npu_available(check_device: bool = False) -> bool:
-    """Whether ``torch_npu`` is installed and sees an Ascend NPU."""
-    return _vendor_device("torch_npu", "npu", check_device)
-
-
-@functools.lru_cache
-def is_sdaa_available(check_device: bool = False) -> bool:
-    """Whether ``torch_sdaa`` is installed and sees a Tecorigin SDAA."""
-    return _vendor_device("torch_sdaa", "sdaa", check_device)
-
-
-@functools.lru_cache
-def is_neuron_available(check_device: bool = False) -> bool:
-    """Whether ``torch_neuronx`` is installed and sees an AWS Neuron core."""
-    return _vendor_device("torch_neuronx", "neuron", check_device)
 
 
 @functools.lru_cache
