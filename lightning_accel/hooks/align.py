@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,8 @@ def _get_tensor(module: nn.Module, name: str) -> torch.Tensor:
     return functools.reduce(getattr, name.split("."), module)  # type: ignore[return-value]
 
 
+# A hook is itself, not its settings: compared and hashed by identity (eq=False), as a plain class.
+@dataclass(eq=False, repr=False)
 class AlignDevicesHook(ModelHook):
     """Put a module's inputs and weights on one device for ``forward``, optionally keeping the weights offloaded.
 
@@ -57,29 +59,18 @@ class AlignDevicesHook(ModelHook):
 
     """
 
-    def __init__(
-        self,
-        execution_device: DeviceLike | None = None,
-        offload: bool = False,
-        io_same_device: bool = False,
-        weights_map: Mapping[str, torch.Tensor] | None = None,
-        offload_buffers: bool = False,
-        place_submodules: bool = False,
-        skip_keys: str | list[str] | None = None,
-        tied_params_map: TiedParamsMap | None = None,
-    ) -> None:
-        self.execution_device = execution_device
-        self.offload = offload
-        self.io_same_device = io_same_device
-        self.weights_map = weights_map
-        self.offload_buffers = offload_buffers
-        self.place_submodules = place_submodules
-        self.skip_keys = skip_keys
-        self.tied_params_map = tied_params_map
-        self.input_device: torch.device | None = None
-        self.original_devices: dict[str, torch.device] = {}
-        self.tied_params_names: set[str] = set()
-        self.tied_pointers_to_remove: set[tuple[int, torch.device]] = set()
+    execution_device: DeviceLike | None = None
+    offload: bool = False
+    io_same_device: bool = False
+    weights_map: Mapping[str, torch.Tensor] | None = None
+    offload_buffers: bool = False
+    place_submodules: bool = False
+    skip_keys: str | list[str] | None = None
+    tied_params_map: TiedParamsMap | None = None
+    input_device: torch.device | None = field(default=None, init=False)
+    original_devices: dict[str, torch.device] = field(default_factory=dict, init=False)
+    tied_params_names: set[str] = field(default_factory=set, init=False)
+    tied_pointers_to_remove: set[tuple[int, torch.device]] = field(default_factory=set, init=False)
 
     def __repr__(self) -> str:
         return (

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -279,32 +280,25 @@ def _keeps_fp32(name: str, keep_in_fp32_modules: Iterable[str]) -> bool:
     return any((key in name and f"{key}." in name) or key == name for key in keep_in_fp32_modules)
 
 
+@dataclass(eq=False)
 class _ShardLoader:
     """Places the tensors of checkpoint shards as a device map says (the state of one load)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        device_map: Mapping[str, DeviceLike],
-        offload_folder: str | os.PathLike[str] | None,
-        dtype: torch.dtype | None,
-        offload_state_dict: bool,
-        offload_buffers: bool,
-        keep_in_fp32_modules: list[str] | None,
-        quantize_device: DeviceLike | None = None,
-    ) -> None:
-        self.model = model
-        self.device_map = device_map
-        self.offload_folder = offload_folder
-        self.dtype = dtype
-        self.offload_buffers = offload_buffers
-        self.keep_in_fp32_modules = keep_in_fp32_modules
-        self.quantize_device = quantize_device
-        self.model_keys = set(model.state_dict())
-        self.buffer_names = {name for name, _ in model.named_buffers()}
-        self.offload_index: dict[str, Any] = {}
+    model: nn.Module
+    device_map: Mapping[str, DeviceLike]
+    offload_folder: str | os.PathLike[str] | None
+    dtype: torch.dtype | None
+    offload_state_dict: InitVar[bool]
+    offload_buffers: bool
+    keep_in_fp32_modules: list[str] | None
+    quantize_device: DeviceLike | None = None
+    offload_index: dict[str, Any] = field(default_factory=dict, init=False)
+    state_dict_index: dict[str, Any] = field(default_factory=dict, init=False)
+
+    def __post_init__(self, offload_state_dict: bool) -> None:
+        self.model_keys = set(self.model.state_dict())
+        self.buffer_names = {name for name, _ in self.model.named_buffers()}
         self.state_dict_folder = tempfile.mkdtemp() if offload_state_dict else None
-        self.state_dict_index: dict[str, Any] = {}
 
     def _target_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype | None:
         if self.dtype is None or not torch.is_floating_point(tensor):
