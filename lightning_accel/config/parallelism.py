@@ -96,6 +96,11 @@ def _dimension_enabled(config: ParallelismConfig, name: str) -> bool:
     return bool(getattr(config, name.removesuffix("_enabled") + "_size") > 1)
 
 
+def _enabled_among(*dimensions: str) -> DerivedAttribute[list[str]]:
+    """A read-only attribute: those of ``dimensions`` that are enabled, in that order."""
+    return DerivedAttribute(lambda config, _: config._enabled(*dimensions))
+
+
 @dataclass
 class ParallelismConfig:
     """How the processes are arranged: data replication x data sharding x context/sequence x tensor parallelism.
@@ -209,25 +214,13 @@ class ParallelismConfig:
     def _enabled(self, *names: str) -> list[str]:
         return [name for name in names if self._sizes[name] > 1]
 
-    @property
-    def dp_dim_names(self) -> list[str]:
-        """Enabled data-parallel dimensions (flattened into ``dp`` for the data loaders)."""
-        return self._enabled("dp_replicate", "dp_shard")
-
-    @property
-    def non_dp_dim_names(self) -> list[str]:
-        """Enabled dimensions whose processes share a batch."""
-        return self._enabled("tp", "cp", "sp")
-
-    @property
-    def dp_shard_cp_dim_names(self) -> list[str]:
-        """Enabled dimensions FSDP shards over (flattened into ``dp_shard_cp``)."""
-        return self._enabled("dp_shard", "cp")
-
-    @property
-    def dp_cp_dim_names(self) -> list[str]:
-        """Enabled dimensions the loss is averaged over (flattened into ``dp_cp``)."""
-        return self._enabled("dp_replicate", "dp_shard", "cp")
+    # The enabled dimensions of a group: the data-parallel ones (flattened into ``dp`` for the data loaders), those
+    # whose processes share a batch, those FSDP shards over (``dp_shard_cp``), those the loss is averaged over
+    # (``dp_cp``).
+    dp_dim_names = _enabled_among("dp_replicate", "dp_shard")
+    non_dp_dim_names = _enabled_among("tp", "cp", "sp")
+    dp_shard_cp_dim_names = _enabled_among("dp_shard", "cp")
+    dp_cp_dim_names = _enabled_among("dp_replicate", "dp_shard", "cp")
 
     @property
     def fsdp_dim_names(self) -> list[str]:
