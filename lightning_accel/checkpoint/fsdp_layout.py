@@ -43,7 +43,6 @@ from lightning_accel.checkpoint.engines import (
     check_present,
     engine_module,
     indexed_name,
-    process_rank,
     refuse_options,
     torch_optimizer,
 )
@@ -52,6 +51,7 @@ from lightning_accel.logging import get_logger
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from lightning_accel.utils.modeling import is_peft_model
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
+from lightning_accel.utils.operations import _is_main_process, _process_rank
 
 __all__ = [
     "FSDPCall",
@@ -186,12 +186,12 @@ class FSDPCheckpoint(EngineCheckpoint):
         modules = [engine_module(m) for m in models]
         for i, module in enumerate(modules):
             state = get_model_state_dict(module, options=self._options(module, "model"))
-            write_state(state, FSDPFiles(target, "model", i), self.full, process_rank())
+            write_state(state, FSDPFiles(target, "model", i), self.full, _process_rank())
         for i, optimizer in enumerate(optimizers):
             raw = torch_optimizer(optimizer)
             module = _owner(modules, raw)
             optimizer_state = get_optimizer_state_dict(module, raw, options=self._options(module, "optimizer"))
-            write_state(optimizer_state, FSDPFiles(target, "optimizer", i), self.full, process_rank())
+            write_state(optimizer_state, FSDPFiles(target, "optimizer", i), self.full, _process_rank())
 
     def load(self, models: Sequence[Module], optimizers: Sequence[Any], source: Path, **kwargs: Any) -> None:
         """Load shards or gathered files (whichever ``source`` holds) into the sharded models and optimizers."""
@@ -223,7 +223,7 @@ class FSDPCheckpoint(EngineCheckpoint):
 
         module = engine_module(model, prepared)
         state = get_model_state_dict(module, options=state_dict_options(module, full=True))
-        return dict(state) if process_rank() == 0 else {}
+        return dict(state) if _is_main_process() else {}
 
 
 def _read(files: FSDPFiles, layout: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Any]:
@@ -237,7 +237,7 @@ def _read(files: FSDPFiles, layout: Callable[[], dict[str, Any]]) -> tuple[dict[
     if files.sharded.is_dir():
         state = _dcp_read(files.sharded, files.kind, layout(), flatten=False)
         return state, StateDictOptions(full_state_dict=False)
-    state = _torch_read(files.full, map_location="cpu") if process_rank() == 0 else {}
+    state = _torch_read(files.full, map_location="cpu") if _is_main_process() else {}
     return state, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
