@@ -17,11 +17,11 @@ By ``FullyShardedDataParallelPlugin.state_dict_type`` (model ``i``, optimizer ``
 :class:`FSDPCheckpoint` (what ``acc_fsdp``'s ``checkpoint_engine()`` returns) goes through
 ``torch.distributed.checkpoint``'s state-dict API, which speaks FSDP1 and FSDP2, and loads whichever of the sharded and
 full forms a folder holds. Accelerate's functions take the FSDP plugin, an accelerator (anything with
-``num_processes``, ``process_index``, ``is_main_process`` and ``wait_for_everyone``), the model and its optimizer, as
-Accelerate's do; they accept this package's plugin (state-dict type as a name, configs derived when unset) as well as
-Accelerate's, and prepared models and optimizers as well as the raw FSDP module and torch optimizer. Under FSDP1 they
-use FSDP's ``state_dict_type`` context, as Accelerate does. One difference: on CPU full state dicts are not
-"offloaded to CPU" (with that option FSDP1 crashes gathering a model there, which is where Accelerate's
+``num_processes``, ``process_index``, ``is_main_process``, ``is_fsdp2`` and ``wait_for_everyone``), the model and its
+optimizer, as Accelerate's do; they accept this package's plugin (state-dict type as a name, configs derived when
+unset) as well as Accelerate's, and prepared models and optimizers as well as the raw FSDP module and torch optimizer.
+Under FSDP1 they use FSDP's ``state_dict_type`` context, as Accelerate does. One difference: on CPU full state dicts
+are not "offloaded to CPU" (with that option FSDP1 crashes gathering a model there, which is where Accelerate's
 full-state-dict save fails on CPU, and gathers an optimizer's state wrongly).
 """
 
@@ -279,6 +279,7 @@ class Processes(Protocol):
     num_processes: int
     process_index: int
     is_main_process: bool
+    is_fsdp2: bool
 
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this call."""
@@ -303,11 +304,6 @@ class FSDPCall:
             engine_module(self.model),
             FSDPFiles(Path(self.directory), kind, self.index),
         )
-
-
-def _is_fsdp2(accelerator: Any, settings: FSDPSettings) -> bool:
-    found = getattr(accelerator, "is_fsdp2", None)
-    return bool(found) if isinstance(found, bool) else settings.version == 2
 
 
 def _model_state(module: Module, adapter_only: bool, options: Any) -> dict[str, Any]:
@@ -398,7 +394,7 @@ def load_model(call: FSDPCall) -> Any:
 
     settings, module, files = call.begin("model")
     accelerator = call.accelerator
-    rank, fsdp2 = accelerator.process_index, _is_fsdp2(accelerator, settings)
+    rank, fsdp2 = accelerator.process_index, accelerator.is_fsdp2
     accelerator.wait_for_everyone()
     settings.gather_rules(accelerator.num_processes, module)
     options = settings.options(module)
