@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
@@ -69,7 +68,12 @@ from lightning_accel.strategies.deepspeed_prepare import (
     resolve_prepare_config,
 )
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
-from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults, StepEngine
+from lightning_accel.strategies.protocol import (
+    ContextBackwardSync,
+    ProcessGroupShards,
+    ShimStrategyDefaults,
+    StepEngine,
+)
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.deepspeed import DummyOptim
 from lightning_accel.utils.modeling.checkpoint import consolidate_deepspeed_checkpoint, read_checkpoint_file
@@ -432,7 +436,7 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
             exclude_frozen_parameters=exclude_frozen_parameters,
             logging_level=logging_level,
         )
-        set_backward_sync_control(self, _AccumulationBoundary(self._family))
+        set_backward_sync_control(self, ContextBackwardSync(self._family.no_sync))
         self.checkpoint_io = NamingTorchCheckpointIO()
         self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare
         self._from_prepare = False
@@ -606,21 +610,6 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register nothing: the ``acc_deepspeed*`` names come from lightning_accel's table."""
-
-
-class _AccumulationBoundary(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)`` under DeepSpeed: the backward passes inside accumulate (no boundary)."""
-
-    # The context is DeepSpeed's step signal, not only a communication saving: every accumulating micro-batch must
-    # run inside it, also with GradientAccumulationPlugin(sync_each_batch=True) (Accelerate sets the boundary too;
-    # the strategies say so with ``marks_step_boundary``).
-
-    def __init__(self, family: DeepSpeedFamily) -> None:
-        self._family = family
-
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return self._family.accumulating(module) if enabled else nullcontext()
 
 
 def _loop_accumulation(config: Mapping[str, Any], steps: int | None) -> int | None:

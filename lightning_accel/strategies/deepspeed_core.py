@@ -19,7 +19,7 @@ import copy
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -541,6 +541,15 @@ class DeepSpeedFamily:
             yield
         finally:
             engine.set_gradient_accumulation_boundary(True)
+
+    def no_sync(self, engine: Any, enabled: bool) -> AbstractContextManager[None]:
+        """``fabric.no_backward_sync``: with ``enabled``, the backward passes inside accumulate (no boundary).
+
+        The context is DeepSpeed's step signal, not only a communication saving: every accumulating micro-batch must
+        run inside it, also with ``GradientAccumulationPlugin(sync_each_batch=True)`` (Accelerate sets the boundary
+        too; the strategies say so with ``marks_step_boundary``).
+        """
+        return self.accumulating(engine) if enabled else nullcontext()
 
     def save_full_weights(self, engine: Any, directory: str | os.PathLike[str]) -> None:
         """Write the gathered weights as ``pytorch_model.bin`` into ``directory`` (collective: call on all ranks)."""
