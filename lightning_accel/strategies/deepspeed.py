@@ -14,7 +14,7 @@ import logging
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
@@ -67,7 +67,7 @@ from lightning_accel.strategies.deepspeed_prepare import (
     dummy_fills,
     resolve_prepare_config,
 )
-from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
+from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating, strategy_precision
 from lightning_accel.strategies.protocol import (
     ContextBackwardSync,
     ProcessGroupShards,
@@ -88,6 +88,31 @@ __all__ = [
 ]
 
 
+class _OnDevices(Protocol):
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+
+
+class _DeepSpeedFamilyAdapter:
+    """What the Trainer and Fabric DeepSpeed strategies share, read from their ``_family`` (before Lightning's)."""
+
+    _family: DeepSpeedFamily
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin:
+        """The DeepSpeed settings this strategy runs with."""
+        return self._family.plugin
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Always ``DistributedType.DEEPSPEED``."""
+        return DistributedType.DEEPSPEED
+
+    def _configure_launcher(self: _OnDevices) -> None:
+        bind_precision(strategy_precision(self), self.parallel_devices)  # refuses fp8 where it cannot run
+        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
+
+
 @lightning_private_members(
     "_configure_launcher",
     "_format_config",
@@ -98,7 +123,7 @@ __all__ = [
     "_init_deepspeed_distributed",
     "_set_deepspeed_activation_checkpointing",
 )
-class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
+class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStrategy):
     """Trainer strategy running DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) on CPU or CUDA devices.
 
     The DeepSpeed config is the plugin's; its ``"auto"`` entries are filled from the Trainer (micro-batch size from
@@ -190,22 +215,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         parent = super().load_checkpoint
         return read_checkpoint_file(checkpoint_path, lambda path: parent(path, weights_only))
 
-    @property
-    def deepspeed_plugin(self) -> DeepSpeedPlugin:
-        """The DeepSpeed settings this strategy runs with."""
-        return self._family.plugin
-
     precision_plugin = deepspeed_translating(_TrainerDeepSpeedStrategy.precision_plugin, TrainerDeepSpeedPrecision)
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """Always ``DistributedType.DEEPSPEED``."""
-        return DistributedType.DEEPSPEED
-
-    @override
-    def _configure_launcher(self) -> None:
-        bind_precision(self.precision_plugin, self.parallel_devices)  # refuses fp8 where it cannot run
-        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
@@ -372,7 +382,9 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     "_format_config",
     "_initialize_engine",
 )
-class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStrategy, ShimStrategyDefaults):
+class FabricAcceleratedDeepSpeedStrategy(
+    ProcessGroupShards, _DeepSpeedFamilyAdapter, _FabricDeepSpeedStrategy, ShimStrategyDefaults
+):
     """Fabric twin of :class:`AcceleratedDeepSpeedStrategy`.
 
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no clipping setting
@@ -440,11 +452,6 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
         self.checkpoint_io = NamingTorchCheckpointIO()
         self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare
         self._from_prepare = False
-
-    @property
-    def deepspeed_plugin(self) -> DeepSpeedPlugin:
-        """The DeepSpeed settings this strategy runs with."""
-        return self._family.plugin
 
     precision = deepspeed_translating(_FabricDeepSpeedStrategy.precision, FabricDeepSpeedPrecision)
 
@@ -520,19 +527,9 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
         """The engine inside Fabric's ``wrapper``, as Accelerate's ``prepare`` returns it."""
         return fabric_forward_module(wrapper)
 
-    @property
-    def distributed_type(self) -> DistributedType:
-        """Always ``DistributedType.DEEPSPEED``."""
-        return DistributedType.DEEPSPEED
-
     def checkpoint_engine(self) -> EngineCheckpoint | None:
         """DeepSpeed writes ``save_state``'s models and optimizers itself (its tagged checkpoint folders)."""
         return DeepSpeedCheckpoint()
-
-    @override
-    def _configure_launcher(self) -> None:
-        bind_precision(self.precision, self.parallel_devices)  # refuses fp8 where it cannot run
-        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:

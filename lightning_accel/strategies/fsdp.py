@@ -160,11 +160,6 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
         return False
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self._fsdp.adopt_precision(self.precision_plugin)
-
-    @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
         return self._fsdp.wrap(model, self.root_device, self.world_size, self.precision_plugin)
 
@@ -278,11 +273,6 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
         sharded = self._fsdp.wrap_with_optimizers(module, optimizers, self.root_device, self.world_size, self.precision)
         self._sharded_modules.add(sharded)
         return sharded, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self._fsdp.adopt_precision(self.precision)
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
