@@ -17,13 +17,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 from lightning.fabric.wrappers import _FabricModule
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accel.lightning_compat import fabric_forward_module, get_original_module
 from lightning_accel.utils.constants import MODEL_NAME
+from lightning_accel.utils.operations import _is_main_process
 
 __all__ = [
     "DeepSpeedCheckpoint",
@@ -31,8 +31,6 @@ __all__ = [
     "check_present",
     "engine_module",
     "indexed_name",
-    "is_main_process",
-    "process_rank",
     "refuse_options",
     "torch_optimizer",
 ]
@@ -61,16 +59,6 @@ def torch_optimizer(optimizer: Any) -> Optimizer:
     while hasattr(optimizer, "optimizer") and optimizer.optimizer is not optimizer:
         optimizer = optimizer.optimizer
     return cast(Optimizer, optimizer)
-
-
-def process_rank() -> int:
-    """The rank of the running process in the default process group (``0`` without one)."""
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def is_main_process() -> bool:
-    """Whether this is process 0 (or the only process)."""
-    return process_rank() == 0
 
 
 def check_present(source: Path, wanted: Sequence[tuple[str, Sequence[Path]]]) -> None:
@@ -165,4 +153,4 @@ class DeepSpeedCheckpoint(EngineCheckpoint):
                 " full weights."
             )
         state = engine._zero3_consolidated_16bit_state_dict()
-        return dict(state) if is_main_process() else {}
+        return dict(state) if _is_main_process() else {}

@@ -17,11 +17,11 @@ By ``FullyShardedDataParallelPlugin.state_dict_type`` (model ``i``, optimizer ``
 :class:`FSDPCheckpoint` (what ``acc_fsdp``'s ``checkpoint_engine()`` returns) goes through
 ``torch.distributed.checkpoint``'s state-dict API, which speaks FSDP1 and FSDP2, and loads whichever of the sharded and
 full forms a folder holds. Accelerate's functions take the FSDP plugin, an accelerator (anything with
-``num_processes``, ``process_index``, ``is_main_process`` and ``wait_for_everyone``), the model and its optimizer, as
-Accelerate's do; they accept this package's plugin (state-dict type as a name, configs derived when unset) as well as
-Accelerate's, and prepared models and optimizers as well as the raw FSDP module and torch optimizer. Under FSDP1 they
-use FSDP's ``state_dict_type`` context, as Accelerate does. One difference: on CPU full state dicts are not
-"offloaded to CPU" (with that option FSDP1 crashes gathering a model there, which is where Accelerate's
+``num_processes``, ``process_index``, ``is_main_process``, ``is_fsdp2`` and ``wait_for_everyone``), the model and its
+optimizer, as Accelerate's do; they accept this package's plugin (state-dict type as a name, configs derived when
+unset) as well as Accelerate's, and prepared models and optimizers as well as the raw FSDP module and torch optimizer.
+Under FSDP1 they use FSDP's ``state_dict_type`` context, as Accelerate does. One difference: on CPU full state dicts
+are not "offloaded to CPU" (with that option FSDP1 crashes gathering a model there, which is where Accelerate's
 full-state-dict save fails on CPU, and gathers an optimizer's state wrongly).
 """
 
@@ -43,7 +43,6 @@ from lightning_accel.checkpoint.engines import (
     check_present,
     engine_module,
     indexed_name,
-    process_rank,
     refuse_options,
     torch_optimizer,
 )
@@ -52,6 +51,7 @@ from lightning_accel.logging import get_logger
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from lightning_accel.utils.modeling import is_peft_model
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
+from lightning_accel.utils.operations import _is_main_process, _process_rank
 
 __all__ = [
     "FSDPCall",
@@ -186,12 +186,12 @@ class FSDPCheckpoint(EngineCheckpoint):
         modules = [engine_module(m) for m in models]
         for i, module in enumerate(modules):
             state = get_model_state_dict(module, options=self._options(module, "model"))
-            write_state(state, FSDPFiles(target, "model", i), self.full, process_rank())
+            write_state(state, FSDPFiles(target, "model", i), self.full, _process_rank())
         for i, optimizer in enumerate(optimizers):
             raw = torch_optimizer(optimizer)
             module = _owner(modules, raw)
             optimizer_state = get_optimizer_state_dict(module, raw, options=self._options(module, "optimizer"))
-            write_state(optimizer_state, FSDPFiles(target, "optimizer", i), self.full, process_rank())
+            write_state(optimizer_state, FSDPFiles(target, "optimizer", i), self.full, _process_rank())
 
     def load(self, models: Sequence[Module], optimizers: Sequence[Any], source: Path, **kwargs: Any) -> None:
         """Load shards or gathered files (whichever ``source`` holds) into the sharded models and optimizers."""
@@ -223,7 +223,7 @@ class FSDPCheckpoint(EngineCheckpoint):
 
         module = engine_module(model, prepared)
         state = get_model_state_dict(module, options=state_dict_options(module, full=True))
-        return dict(state) if process_rank() == 0 else {}
+        return dict(state) if _is_main_process() else {}
 
 
 def _read(files: FSDPFiles, layout: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Any]:
@@ -237,7 +237,7 @@ def _read(files: FSDPFiles, layout: Callable[[], dict[str, Any]]) -> tuple[dict[
     if files.sharded.is_dir():
         state = _dcp_read(files.sharded, files.kind, layout(), flatten=False)
         return state, StateDictOptions(full_state_dict=False)
-    state = _torch_read(files.full, map_location="cpu") if process_rank() == 0 else {}
+    state = _torch_read(files.full, map_location="cpu") if _is_main_process() else {}
     return state, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
@@ -279,6 +279,7 @@ class Processes(Protocol):
     num_processes: int
     process_index: int
     is_main_process: bool
+    is_fsdp2: bool
 
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this call."""
@@ -303,11 +304,6 @@ class FSDPCall:
             engine_module(self.model),
             FSDPFiles(Path(self.directory), kind, self.index),
         )
-
-
-def _is_fsdp2(accelerator: Any, settings: FSDPSettings) -> bool:
-    found = getattr(accelerator, "is_fsdp2", None)
-    return bool(found) if isinstance(found, bool) else settings.version == 2
 
 
 def _model_state(module: Module, adapter_only: bool, options: Any) -> dict[str, Any]:
@@ -398,7 +394,7 @@ def load_model(call: FSDPCall) -> Any:
 
     settings, module, files = call.begin("model")
     accelerator = call.accelerator
-    rank, fsdp2 = accelerator.process_index, _is_fsdp2(accelerator, settings)
+    rank, fsdp2 = accelerator.process_index, accelerator.is_fsdp2
     accelerator.wait_for_everyone()
     settings.gather_rules(accelerator.num_processes, module)
     options = settings.options(module)

@@ -91,11 +91,6 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
             **self._family.torch_ddp_kwargs(),
         )
 
-    @override
-    def _configure_launcher(self) -> None:
-        self._check_devices_and_bind(self.precision_plugin)
-        super()._configure_launcher()
-
     precision_plugin = translating(_TrainerDDPStrategy.precision_plugin)
 
     @override
@@ -157,11 +152,6 @@ class FabricAcceleratedDDPStrategy(ProcessGroupShards, DDPFamilyAdapter, _Fabric
             start_method=start_method,
             **self._family.torch_ddp_kwargs(),
         )
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._check_devices_and_bind(self.precision)
-        super()._configure_launcher()
 
     precision = translating(_FabricDDPStrategy.precision)
 

@@ -25,7 +25,7 @@ from lightning_accel.config.devices import (
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType
 from lightning_accel.lightning_compat import set_process_group_backend
 from lightning_accel.strategies.compile import apply_dynamo
-from lightning_accel.strategies.precision_bridge import bind_precision
+from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
@@ -184,10 +184,11 @@ class DDPFamilyAdapter:
     def _get_process_group_backend(self: _Host) -> str:
         return self._family.collective_backend(self.root_device)
 
-    def _check_devices_and_bind(self: _Host, precision: Any) -> None:
-        """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind ``precision`` to them."""
+    def _configure_launcher(self: _Host) -> None:
+        """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind the precision to them."""
         self._family.check_devices(self.parallel_devices)
-        bind_precision(precision, self.parallel_devices)
+        bind_precision(strategy_precision(self), self.parallel_devices)
+        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
 
     def _init_process_group(self: _Host) -> None:
         """Choose the collective backend and create the default process group (world ranks already set)."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
@@ -24,7 +24,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
@@ -68,8 +67,13 @@ from lightning_accel.strategies.deepspeed_prepare import (
     dummy_fills,
     resolve_prepare_config,
 )
-from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating
-from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults, StepEngine
+from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating, strategy_precision
+from lightning_accel.strategies.protocol import (
+    ContextBackwardSync,
+    ProcessGroupShards,
+    ShimStrategyDefaults,
+    StepEngine,
+)
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.deepspeed import DummyOptim
 from lightning_accel.utils.modeling.checkpoint import consolidate_deepspeed_checkpoint, read_checkpoint_file
@@ -84,6 +88,31 @@ __all__ = [
 ]
 
 
+class _OnDevices(Protocol):
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+
+
+class _DeepSpeedFamilyAdapter:
+    """What the Trainer and Fabric DeepSpeed strategies share, read from their ``_family`` (before Lightning's)."""
+
+    _family: DeepSpeedFamily
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin:
+        """The DeepSpeed settings this strategy runs with."""
+        return self._family.plugin
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Always ``DistributedType.DEEPSPEED``."""
+        return DistributedType.DEEPSPEED
+
+    def _configure_launcher(self: _OnDevices) -> None:
+        bind_precision(strategy_precision(self), self.parallel_devices)  # refuses fp8 where it cannot run
+        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
+
+
 @lightning_private_members(
     "_configure_launcher",
     "_format_config",
@@ -94,7 +123,7 @@ __all__ = [
     "_init_deepspeed_distributed",
     "_set_deepspeed_activation_checkpointing",
 )
-class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
+class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStrategy):
     """Trainer strategy running DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) on CPU or CUDA devices.
 
     The DeepSpeed config is the plugin's; its ``"auto"`` entries are filled from the Trainer (micro-batch size from
@@ -186,22 +215,7 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
         parent = super().load_checkpoint
         return read_checkpoint_file(checkpoint_path, lambda path: parent(path, weights_only))
 
-    @property
-    def deepspeed_plugin(self) -> DeepSpeedPlugin:
-        """The DeepSpeed settings this strategy runs with."""
-        return self._family.plugin
-
     precision_plugin = deepspeed_translating(_TrainerDeepSpeedStrategy.precision_plugin, TrainerDeepSpeedPrecision)
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """Always ``DistributedType.DEEPSPEED``."""
-        return DistributedType.DEEPSPEED
-
-    @override
-    def _configure_launcher(self) -> None:
-        bind_precision(self.precision_plugin, self.parallel_devices)  # refuses fp8 where it cannot run
-        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
@@ -368,7 +382,9 @@ class AcceleratedDeepSpeedStrategy(_TrainerDeepSpeedStrategy):
     "_format_config",
     "_initialize_engine",
 )
-class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStrategy, ShimStrategyDefaults):
+class FabricAcceleratedDeepSpeedStrategy(
+    ProcessGroupShards, _DeepSpeedFamilyAdapter, _FabricDeepSpeedStrategy, ShimStrategyDefaults
+):
     """Fabric twin of :class:`AcceleratedDeepSpeedStrategy`.
 
     It takes the same arguments, with ``precision`` instead of ``precision_plugin``. Fabric has no clipping setting
@@ -432,15 +448,10 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
             exclude_frozen_parameters=exclude_frozen_parameters,
             logging_level=logging_level,
         )
-        set_backward_sync_control(self, _AccumulationBoundary(self._family))
+        set_backward_sync_control(self, ContextBackwardSync(self._family.no_sync))
         self.checkpoint_io = NamingTorchCheckpointIO()
         self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare
         self._from_prepare = False
-
-    @property
-    def deepspeed_plugin(self) -> DeepSpeedPlugin:
-        """The DeepSpeed settings this strategy runs with."""
-        return self._family.plugin
 
     precision = deepspeed_translating(_FabricDeepSpeedStrategy.precision, FabricDeepSpeedPrecision)
 
@@ -516,19 +527,9 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
         """The engine inside Fabric's ``wrapper``, as Accelerate's ``prepare`` returns it."""
         return fabric_forward_module(wrapper)
 
-    @property
-    def distributed_type(self) -> DistributedType:
-        """Always ``DistributedType.DEEPSPEED``."""
-        return DistributedType.DEEPSPEED
-
     def checkpoint_engine(self) -> EngineCheckpoint | None:
         """DeepSpeed writes ``save_state``'s models and optimizers itself (its tagged checkpoint folders)."""
         return DeepSpeedCheckpoint()
-
-    @override
-    def _configure_launcher(self) -> None:
-        bind_precision(self.precision, self.parallel_devices)  # refuses fp8 where it cannot run
-        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
@@ -606,21 +607,6 @@ class FabricAcceleratedDeepSpeedStrategy(ProcessGroupShards, _FabricDeepSpeedStr
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register nothing: the ``acc_deepspeed*`` names come from lightning_accel's table."""
-
-
-class _AccumulationBoundary(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)`` under DeepSpeed: the backward passes inside accumulate (no boundary)."""
-
-    # The context is DeepSpeed's step signal, not only a communication saving: every accumulating micro-batch must
-    # run inside it, also with GradientAccumulationPlugin(sync_each_batch=True) (Accelerate sets the boundary too;
-    # the strategies say so with ``marks_step_boundary``).
-
-    def __init__(self, family: DeepSpeedFamily) -> None:
-        self._family = family
-
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return self._family.accumulating(module) if enabled else nullcontext()
 
 
 def _loop_accumulation(config: Mapping[str, Any], steps: int | None) -> int | None:

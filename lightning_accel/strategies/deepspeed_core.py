@@ -19,11 +19,11 @@ import copy
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.nn import Module
@@ -33,6 +33,8 @@ from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, Torc
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.deepspeed_env import plugin_from_lightning_variable
 from lightning_accel.utils.constants import WEIGHTS_NAME
+
+_Number = TypeVar("_Number", int, float)
 
 INSTALL_HINT = "pip install 'lightning-accel[deepspeed]'"
 # Loss-scaling settings of an fp16 section this package adds (DeepSpeed's and Lightning's defaults: dynamic scaling).
@@ -152,18 +154,31 @@ def keep_torch_optimizer_on_cpu(config: dict[str, Any], device_type: str) -> Non
         config.setdefault("zero_force_ds_cpu_optimizer", False)
 
 
-def _reconcile_accumulation(configured: Any, from_loop: int | None) -> int:
-    loop_value = from_loop or 1
+def _reconcile_with_loop(configured: Any, loop_value: _Number, neutral: _Number, conflict: str) -> _Number:
+    """The config's value against the loop's: ``"auto"`` and a value the other side leaves ``neutral`` give way.
+
+    Raises:
+        ValueError: With ``conflict`` as its message, if both sides set different values.
+
+    """
     if configured in ("auto", None):
         return loop_value
-    if configured == loop_value or loop_value == 1:
-        return int(configured)
-    if configured == 1:
+    if configured == loop_value or loop_value == neutral:
+        return type(neutral)(configured)
+    if configured == neutral:
         return loop_value
-    raise ValueError(
+    raise ValueError(conflict)
+
+
+def _reconcile_accumulation(configured: Any, from_loop: int | None) -> int:
+    loop_value = from_loop or 1
+    return _reconcile_with_loop(
+        configured,
+        loop_value,
+        1,
         f"DeepSpeed config has gradient_accumulation_steps={configured!r}, but Trainer(accumulate_grad_batches="
         f"{loop_value}). Set one of them: use DeepSpeedPlugin(gradient_accumulation_steps='auto') (or 'auto' in"
-        f" hf_ds_config) to follow the Trainer, or Trainer(accumulate_grad_batches={configured!r})."
+        f" hf_ds_config) to follow the Trainer, or Trainer(accumulate_grad_batches={configured!r}).",
     )
 
 
@@ -189,16 +204,13 @@ def _reconcile_micro_batch(configured: Any, facts: TrainingFacts) -> int:
 
 def _reconcile_clipping(configured: Any, facts: TrainingFacts) -> float:
     loop_value = float(facts.gradient_clip_val or 0.0)
-    if configured in ("auto", None):
-        return loop_value
-    if configured == loop_value or loop_value == 0.0:
-        return float(configured)
-    if configured == 0:
-        return loop_value
-    raise ValueError(
+    return _reconcile_with_loop(
+        configured,
+        loop_value,
+        0.0,
         f"DeepSpeed config has gradient_clipping={configured!r}, but Trainer(gradient_clip_val={loop_value})."
         " Set one of them: use DeepSpeedPlugin(gradient_clipping='auto') (or 'auto' in hf_ds_config) to follow the"
-        f" Trainer, or Trainer(gradient_clip_val={configured!r})."
+        f" Trainer, or Trainer(gradient_clip_val={configured!r}).",
     )
 
 
@@ -541,6 +553,15 @@ class DeepSpeedFamily:
             yield
         finally:
             engine.set_gradient_accumulation_boundary(True)
+
+    def no_sync(self, engine: Any, enabled: bool) -> AbstractContextManager[None]:
+        """``fabric.no_backward_sync``: with ``enabled``, the backward passes inside accumulate (no boundary).
+
+        The context is DeepSpeed's step signal, not only a communication saving: every accumulating micro-batch must
+        run inside it, also with ``GradientAccumulationPlugin(sync_each_batch=True)`` (Accelerate sets the boundary
+        too; the strategies say so with ``marks_step_boundary``).
+        """
+        return self.accumulating(engine) if enabled else nullcontext()
 
     def save_full_weights(self, engine: Any, directory: str | os.PathLike[str]) -> None:
         """Write the gathered weights as ``pytorch_model.bin`` into ``directory`` (collective: call on all ranks)."""

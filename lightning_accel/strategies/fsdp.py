@@ -15,7 +15,6 @@ from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies import FSDPStrategy as LightningFabricFSDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_meta_tensors
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
@@ -39,6 +38,7 @@ from lightning_accel.precision.fp8 import refresh_float8_scales
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
+from lightning_accel.strategies.protocol import ContextBackwardSync
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.strategies.sharded_adapter import ShardedFabricAdapter, ShardedTrainerAdapter, reshard
 
@@ -160,11 +160,6 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
         return False
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self._fsdp.adopt_precision(self.precision_plugin)
-
-    @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
         return self._fsdp.wrap(model, self.root_device, self.world_size, self.precision_plugin)
 
@@ -182,15 +177,6 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Nothing to do: :meth:`load_checkpoint` already loaded the optimizer states."""
-
-
-class _FSDPBackwardSyncControl(_BackwardSyncControl):
-    def __init__(self, family: FSDPFamily) -> None:
-        self._family = family
-
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return self._family.no_sync(module, enabled)
 
 
 @lightning_private_members("_configure_launcher")
@@ -235,7 +221,7 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
             precision=precision,
             start_method=start_method,
         )
-        set_backward_sync_control(self, _FSDPBackwardSyncControl(self._fsdp))
+        set_backward_sync_control(self, ContextBackwardSync(self._fsdp.no_sync))
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
 
     @property
@@ -287,11 +273,6 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
         sharded = self._fsdp.wrap_with_optimizers(module, optimizers, self.root_device, self.world_size, self.precision)
         self._sharded_modules.add(sharded)
         return sharded, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self._fsdp.adopt_precision(self.precision)
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]

@@ -25,6 +25,7 @@ from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPl
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
+from lightning_accel.strategies.precision_bridge import strategy_precision
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
 from lightning_accel.utils.modeling.checkpoint import METADATA_FILENAME, is_sharded_checkpoint, read_checkpoint_file
 
@@ -375,6 +376,11 @@ class FSDPFamilyAdapter:
     def fsdp_plugin(self) -> FullyShardedDataParallelPlugin:
         """The FSDP settings in use."""
         return self._fsdp.plugin
+
+    def _configure_launcher(self) -> None:
+        """The DDP family's launch checks, then FSDP takes its mixed precision from the strategy's plugin."""
+        super()._configure_launcher()  # type: ignore[misc]  # the DDP twin's, after this class in the MRO
+        self._fsdp.adopt_precision(strategy_precision(self))
 
 
 def checkpoint_value(value: Any) -> Any:

@@ -73,6 +73,11 @@ class _MegatronMembers:
         """Shard data over megatron's data-parallel group: tensor-parallel peers read the same batches."""
         return self._megatron.sampler_kwargs()
 
+    def _configure_launcher(self) -> None:
+        """Megatron's device checks, then the DDP twin's."""
+        self._megatron.check_devices(self.parallel_devices)  # type: ignore[attr-defined]  # Lightning's, in the MRO
+        super()._configure_launcher()  # type: ignore[misc]  # the DDP twin's, after this class in the MRO
+
     def teardown(self) -> None:
         """Lightning's teardown, then megatron's parallel state is destroyed."""
         super().teardown()  # type: ignore[misc]  # the Lightning strategy after this class in the MRO
@@ -132,11 +137,6 @@ class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._megatron.check_devices(self.parallel_devices)
-        super()._configure_launcher()
 
     @override
     def setup_distributed(self) -> None:
@@ -229,11 +229,6 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._megatron.check_devices(self.parallel_devices)
-        super()._configure_launcher()
 
     @override
     def _setup_distributed(self) -> None:

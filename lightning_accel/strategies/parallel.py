@@ -89,12 +89,6 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
     precision_plugin = translating(_TrainerModelParallelStrategy.precision_plugin)
 
     @override
-    def _configure_launcher(self) -> None:
-        world_size = self.num_nodes * self.num_processes
-        self._parallel.configure_launch(world_size, self.parallel_devices, self.precision_plugin)
-        super()._configure_launcher()
-
-    @override
     def setup_environment(self) -> None:
         """Start the process group, build Accelerate's mesh and hand it to the LightningModule's ``device_mesh``."""
         self._setup_distributed()
@@ -172,11 +166,6 @@ class FabricAcceleratedParallelStrategy(
         )
 
     precision = translating(_FabricModelParallelStrategy.precision)
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._parallel.configure_launch(self.num_nodes * self.num_processes, self.parallel_devices, self.precision)
-        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:

@@ -269,6 +269,12 @@ class _OnDevices(Protocol):
     @property
     def parallel_devices(self) -> list[torch.device] | None: ...
 
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
 
 class ParallelFamilyAdapter:
     """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``."""
@@ -307,6 +313,15 @@ class ParallelFamilyAdapter:
     context_parallel_rank = _MeshRank(
         "cp", "Coordinate along ``cp`` (0 without context parallelism; Accelerate 1.15 raises ``NotImplementedError``)."
     )
+
+    def _configure_launcher(self: _OnDevices) -> None:
+        """Fit the config to the processes and bind the precision (:meth:`ParallelFamily.configure_launch`)."""
+        from lightning_accel.strategies.precision_bridge import strategy_precision
+
+        self._parallel.configure_launch(
+            self.num_nodes * self.num_processes, self.parallel_devices, strategy_precision(self)
+        )
+        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
 
     @property
     def distributed_type(self: _OnDevices) -> DistributedType | None:

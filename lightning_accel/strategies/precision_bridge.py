@@ -23,6 +23,13 @@ def translating(base: Any) -> Any:
     return property(getter, set_translated, doc=base.__doc__)
 
 
+def strategy_precision(strategy: Any) -> Any:
+    """The precision plugin of a Trainer strategy (its ``precision_plugin``) or of a Fabric one (its ``precision``)."""
+    from lightning.pytorch.strategies import Strategy as TrainerStrategy
+
+    return strategy.precision_plugin if isinstance(strategy, TrainerStrategy) else strategy.precision
+
+
 def bind_precision(plugin: Any, devices: Any) -> None:
     """Tell the strategy's plugin which device type it runs on, once Lightning chose the devices.
 

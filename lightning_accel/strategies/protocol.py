@@ -8,12 +8,14 @@ strategies give their own answers where their engine differs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.nn import Module
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
     from lightning_accel.enums import DistributedType
 
-__all__ = ["ShimStrategy", "ShimStrategyDefaults", "StepEngine", "as_shim_strategy"]
+__all__ = ["ContextBackwardSync", "ShimStrategy", "ShimStrategyDefaults", "StepEngine", "as_shim_strategy"]
 
 
 class StepEngine(Protocol):
@@ -45,7 +47,10 @@ class StepEngine(Protocol):
 
 
 class ShimStrategy(Protocol):
-    """The members of a Fabric strategy that ``lightning_accel.Accelerator`` reads.
+    """The members of a Fabric strategy that ``lightning_accel.Accelerator`` reads, with their do-nothing answers.
+
+    The method bodies are the answers of a strategy without an engine of its own; :class:`ShimStrategyDefaults`
+    inherits them.
 
     Attributes:
         engine_steps_in_backward: Whether the engine accumulates and steps inside ``backward`` (DeepSpeed): the
@@ -85,22 +90,37 @@ class ShimStrategy(Protocol):
         optimizer: Any = None,
         scheduler: Any = None,
     ) -> None:
-        """Complete the engine's configuration from an ``Accelerator.prepare`` call that holds a model."""
+        """Complete the engine's configuration from an ``Accelerator.prepare`` call that holds a model.
+
+        By default there is nothing to configure: the engine does not depend on the ``prepare`` call.
+        """
+        return None
 
     def step_boundary(self, sync_gradients: bool) -> AbstractContextManager[None]:
-        """A context telling the engine whether the backward pass inside ends an accumulation."""
+        """A context telling the engine whether the backward pass inside ends an accumulation (by default empty)."""
+        return nullcontext()
 
     def step_engine(self) -> StepEngine | None:
         """The engine that steps inside ``backward`` (``None`` without one, or before the model is set up)."""
+        return None
 
     def checkpoint_engine(self) -> EngineCheckpoint | None:
-        """The handler that writes the engine's own model and optimizer files, or ``None``."""
+        """The handler that writes the engine's own model and optimizer files.
+
+        ``None`` by default: the shim saves the model and optimizers itself.
+        """
+        return None
 
     def data_parallel_shards(self) -> tuple[int, int] | None:
-        """``(num_replicas, rank)`` of the data-parallel group, ``None`` to shard over every process."""
+        """``(num_replicas, rank)`` of the data-parallel group, ``None`` (the default) to shard over every process."""
+        return None
 
     def mesh_rank(self, dimension: str) -> int:
-        """The coordinate of this process along a device-mesh dimension (``"tp"``, ``"dp_replicate"``, ...)."""
+        """The coordinate of this process along a device-mesh dimension (``"tp"``, ``"dp_replicate"``, ...).
+
+        Without a mesh (the default) every coordinate is 0.
+        """
+        return 0
 
     def context_parallel(
         self,
@@ -108,13 +128,18 @@ class ShimStrategy(Protocol):
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> AbstractContextManager[None]:
-        """A context sharding ``buffers`` along their sequence dimension over the mesh's ``cp`` dimension."""
+        """A context sharding ``buffers`` along their sequence dimension over the mesh's ``cp`` dimension.
+
+        Without context parallelism (the default) an empty context.
+        """
+        return nullcontext()
 
     def returned_model(self, wrapper: Module) -> Module:
-        """What ``Accelerator.prepare`` hands back for a model set up into Fabric's ``wrapper``."""
+        """What ``Accelerator.prepare`` hands back for a model set up into Fabric's ``wrapper`` (by default itself)."""
+        return wrapper
 
 
-class ShimStrategyDefaults:
+class ShimStrategyDefaults(ShimStrategy):
     """The do-nothing answers to :class:`ShimStrategy`, for strategies without an engine of their own.
 
     List it last among a strategy's bases: Lightning's and the family adapters' members (``distributed_type``,
@@ -129,49 +154,21 @@ class ShimStrategyDefaults:
     parallelism_config: Any = None
     torch_device_mesh: Any = None
 
-    def configure_from_prepare(
-        self,
-        batch_sizes: Sequence[int | None],
-        *,
-        split_batches: bool,
-        torch_optimizer: bool,
-        optimizer: Any = None,
-        scheduler: Any = None,
-    ) -> None:
-        """Nothing to configure: the engine does not depend on the ``prepare`` call."""
 
-    def step_boundary(self, sync_gradients: bool) -> AbstractContextManager[None]:
-        """No engine to tell: an empty context."""
-        return nullcontext()
+class ContextBackwardSync(_BackwardSyncControl):
+    """Fabric's ``no_backward_sync(module, enabled)``, answered by a family's own context (its ``no_sync``).
 
-    def step_engine(self) -> StepEngine | None:
-        """No engine steps inside ``backward``."""
-        return None
+    Args:
+        no_sync: ``no_sync(module, enabled)``, the context under which backward passes skip gradient synchronisation.
 
-    def checkpoint_engine(self) -> EngineCheckpoint | None:
-        """No engine-specific checkpoint files: the shim saves the model and optimizers itself."""
-        return None
+    """
 
-    def data_parallel_shards(self) -> tuple[int, int] | None:
-        """Shard data over every process."""
-        return None
+    def __init__(self, no_sync: Callable[[Module, bool], AbstractContextManager[Any]]) -> None:
+        self._no_sync = no_sync
 
-    def mesh_rank(self, dimension: str) -> int:
-        """No mesh: every coordinate is 0."""
-        return 0
-
-    def context_parallel(
-        self,
-        buffers: list[torch.Tensor] | None = None,
-        buffer_seq_dims: list[int] | None = None,
-        no_restore_buffers: set[torch.Tensor] | None = None,
-    ) -> AbstractContextManager[None]:
-        """No context parallelism: an empty context."""
-        return nullcontext()
-
-    def returned_model(self, wrapper: Module) -> Module:
-        """Fabric's wrapper itself."""
-        return wrapper
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._no_sync(module, enabled)
 
 
 class _ProcessGroupStrategy(Protocol):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
@@ -22,7 +21,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import get_root_device, lightning_private_members, set_root_device
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
-from lightning_accel.strategies.precision_bridge import bind_precision, translating
+from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision, translating
 from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 
@@ -58,11 +57,12 @@ class _SingleDeviceAdapter:
         # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
         self.parallel_devices = None
 
-    def _pick_device_and_bind(self, precision: Any) -> None:
-        """Settle the device (the explicit one, else Lightning's single pick) and bind ``precision`` to it."""
+    def _configure_launcher(self) -> None:
+        """Settle the device (the explicit one, else Lightning's single pick) and bind the precision to it."""
         device = _pick_device(self._strategy_name, self._explicit_device, self.parallel_devices)
         set_root_device(self, device)
-        bind_precision(precision, [device])
+        bind_precision(strategy_precision(self), [device])
+        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
 
     def _compiled(self, module: Module) -> Module:
         """``module``, compiled in place as the dynamo plugin says."""
@@ -101,11 +101,6 @@ class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDevice
         )
         self._adopt(strategy_name, dynamo_plugin, device is not None)
 
-    @override
-    def _configure_launcher(self) -> None:
-        self._pick_device_and_bind(self.precision_plugin)
-        super()._configure_launcher()
-
     precision_plugin = translating(_TrainerSingleDeviceStrategy.precision_plugin)
 
     @override
@@ -136,11 +131,6 @@ class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleD
             precision=precision,
         )
         self._adopt(strategy_name, dynamo_plugin, device is not None)
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._pick_device_and_bind(self.precision)
-        super()._configure_launcher()
 
     precision = translating(_FabricSingleDeviceStrategy.precision)
 

@@ -32,6 +32,7 @@ from lightning_accel.logging import get_logger
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from lightning_accel.utils.modeling.tensors import get_non_persistent_buffers
+from lightning_accel.utils.operations import _is_main_process
 from lightning_accel.utils.other import get_module_children_bottom_up, is_compiled_module, save
 from lightning_accel.utils.versions import is_torch_version
 
@@ -291,12 +292,6 @@ def _is_fsdp2(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule) or (is_compiled_module(model) and isinstance(model._orig_mod, FSDPModule))
-
-
-def _is_main_process() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _mesh_device(mesh: DeviceMesh | None) -> torch.device:

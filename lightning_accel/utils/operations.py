@@ -367,6 +367,16 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _process_rank() -> int:
+    """The rank of this process in the default process group (``0`` without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _is_main_process() -> bool:
+    """Whether this is process 0 (or the only process), without creating a ``PartialState``."""
+    return _process_rank() == 0
+
+
 class DistributedOperationException(Exception):
     """Processes called a collective with tensors of different shapes (reported in ``ACCELERATE_DEBUG_MODE``)."""
 
