@@ -432,14 +432,17 @@ class Accelerator(
             self.fabric.backward(loss, model=model, **kwargs)
         _engine_step.step_after_backward(self._strategy, self._optimizers, self.sync_gradients)
 
-    def _do_sync(self) -> None:
+    def _do_sync(self) -> bool:
+        """Count the micro-step and decide whether it synchronises; returns (and records) the decision."""
         state = self.gradient_state
-        if state.end_of_dataloader and state.sync_with_dataloader:
+        if state.sync_with_dataloader and state.end_of_dataloader:
             self.step = 0
-            state._set_sync_gradients(True)
+            sync = True
         else:
             self.step += 1
-            state._set_sync_gradients(self.step % state.num_steps == 0)
+            sync = self.step % state.num_steps == 0
+        state.sync_gradients = sync
+        return sync
 
     def accumulate(self, *models: Module) -> AbstractContextManager[None]:
         """One micro-step: decide whether it synchronises, and skip gradient sync on the ones that do not."""
@@ -641,8 +644,7 @@ class _Accumulation:
             if not isinstance(model, _FabricModule):  # a DeepSpeed engine or a plain module: find its wrapper
                 models = self._prepared()
                 break
-        accelerator._do_sync()
-        if accelerator.gradient_state.sync_gradients or accelerator._syncs_each_batch():
+        if accelerator._do_sync() or accelerator._syncs_each_batch():
             return
         with ExitStack() as stack:
             for model in models:

@@ -110,6 +110,8 @@ class AcceleratedModule(_FabricModule):
     _backward_guard: str | None
     # The strategy, where forward may call the wrapped module directly (see forward); None: Fabric's forward always.
     _direct_forward_strategy: Strategy | None = None
+    # The precision plugin last found to pass the forward through (the check runs again for another plugin object).
+    _plain_precision: Precision | None = None
 
     @classmethod
     def adopt(cls, module: _FabricModule) -> AcceleratedModule:
@@ -118,8 +120,9 @@ class AcceleratedModule(_FabricModule):
         object.__setattr__(module, "__class__", cls)
         adopted: AcceleratedModule = module  # type: ignore[assignment]  # its class was just replaced
         strategy = get_strategy(adopted)
-        object.__setattr__(adopted, "_backward_guard", backward_guard(strategy))
-        if adopted._modules.get("_forward_module") is fabric_forward_module(adopted):  # where forward reads it
+        guard = backward_guard(strategy)
+        object.__setattr__(adopted, "_backward_guard", guard)
+        if guard is None and adopted._modules.get("_forward_module") is fabric_forward_module(adopted):
             object.__setattr__(adopted, "_direct_forward_strategy", strategy)
         return adopted
 
@@ -127,12 +130,18 @@ class AcceleratedModule(_FabricModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Fabric's forward; where its steps would do nothing, the wrapped module's call alone (it runs every step).
 
-        Nothing to do means: the precision plugin converts nothing and enters ``nullcontext()``
-        (:func:`passes_forward_through`), and no backward hook is needed (no backward guard).
+        Nothing to do means: no backward hook is needed (no backward guard), and the precision plugin converts
+        nothing and enters ``nullcontext()`` (:func:`passes_forward_through`, asked once per plugin object: Fabric's
+        plugins are configured when they are built).
         """
         strategy = self._direct_forward_strategy
-        if strategy is None or self._backward_guard is not None or not passes_forward_through(strategy.precision):
+        if strategy is None:
             return super().forward(*args, **kwargs)
+        precision = strategy.precision
+        if precision is not self._plain_precision:
+            if not passes_forward_through(precision):
+                return super().forward(*args, **kwargs)
+            object.__setattr__(self, "_plain_precision", precision)
         forward_module: Module = self._modules["_forward_module"]  # type: ignore[assignment]  # checked in adopt
         output = forward_module(*args, **kwargs)
         if not isinstance(output, Tensor):  # Fabric's walk over the outputs, for its errors (a frozen dataclass)

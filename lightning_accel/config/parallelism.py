@@ -98,7 +98,7 @@ def _dimension_enabled(config: ParallelismConfig, name: str) -> bool:
 
 def _enabled_among(*dimensions: str) -> DerivedAttribute[list[str]]:
     """A read-only attribute: those of ``dimensions`` that are enabled, in that order."""
-    return DerivedAttribute(lambda config, _: config._enabled(*dimensions))
+    return DerivedAttribute(lambda config, _: config._enabled_dimensions(*dimensions))
 
 
 @dataclass
@@ -211,7 +211,7 @@ class ParallelismConfig:
         """Processes that see the same batch: tensor x context x sequence parallelism."""
         return self.tp_size * self.cp_size * self.sp_size
 
-    def _enabled(self, *names: str) -> list[str]:
+    def _enabled_dimensions(self, *names: str) -> list[str]:
         return [name for name in names if self._sizes[name] > 1]
 
     # The enabled dimensions of a group: the data-parallel ones (flattened into ``dp`` for the data loaders), those
@@ -225,7 +225,7 @@ class ParallelismConfig:
     @property
     def fsdp_dim_names(self) -> list[str]:
         """The mesh dimensions of FSDP (HSDP's replication first)."""
-        return [*self._enabled("dp_replicate"), "dp_shard_cp"]
+        return [*self._enabled_dimensions("dp_replicate"), "dp_shard_cp"]
 
     @property
     def active_mesh_dims(self) -> list[str]:

@@ -264,32 +264,42 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         return iter(self.base_dataloader)
 
     def _stream(self, skip: int) -> Iterator[Any]:
-        """Hand out the batches one ahead of the loader, skipping the first ``skip``.
+        """Hand out the batches one ahead of the loader, after skipping the first ``skip``.
 
-        It runs once per batch: the two attributes it updates are set with ``object.__setattr__``, past
+        Its loop runs once per batch: the two attributes it updates are set with ``object.__setattr__``, past
         ``DataLoader.__setattr__`` (a Python call that guards the loader's own arguments, which these are not).
         """
         batches = self._base_batches()
-        current = next(batches, _END)
-        index = 0
-        self.position = self._resumed_batches + skip
-        stateful = self.use_stateful_dataloader
+        position = self.position = self._resumed_batches + skip
+        current = self._skip(batches, skip)
+        device, non_blocking, stateful = self.device, self.non_blocking, self.use_stateful_dataloader
         while current is not _END:
-            if index == skip:
-                self._restore_resumed_rng()
-            if self.device is not None:
-                current = send_to_device(current, self.device, non_blocking=self.non_blocking)
+            if device is not None:
+                current = send_to_device(current, device, non_blocking)
             if stateful:
                 self._snapshot()
             upcoming = next(batches, _END)
             object.__setattr__(self, "end_of_dataloader", upcoming is _END)
             if stateful and upcoming is _END:
                 self._snapshot()
-            if index >= skip:
-                object.__setattr__(self, "position", self._resumed_batches + index + 1)
-                yield current
-            index += 1
+            position += 1
+            object.__setattr__(self, "position", position)
+            yield current
             current = upcoming
+
+    def _skip(self, batches: Iterator[Any], skip: int) -> Any:
+        """Read past the first ``skip`` batches; the first batch to hand out (``_END`` if none is left)."""
+        current = next(batches, _END)
+        for _ in range(skip):
+            if current is _END:
+                return _END
+            current = next(batches, _END)
+            object.__setattr__(self, "end_of_dataloader", current is _END)
+            if current is _END:
+                self._snapshot()
+        if current is not _END:
+            self._restore_resumed_rng()
+        return current
 
     def _restore_resumed_rng(self) -> None:
         """Set the random states of a checkpoint taken mid-epoch, at the batch the checkpoint's run was at.

@@ -157,20 +157,20 @@ def send_to_device(
         skip_keys: Mapping keys whose values are left where they are.
 
     """
-    if isinstance(tensor, Tensor):
-        return _moved(tensor, device, non_blocking)
+    if isinstance(tensor, Tensor):  # one already on the device is returned as it is (its .to would return it too)
+        return tensor if tensor.device == device else tensor.to(device, non_blocking=non_blocking)
     kind = type(tensor)
     if skip_keys is None and (kind is list or kind is tuple):  # a loader's usual batch, moved every step
         return kind(
             [
-                _moved(t, device, non_blocking) if isinstance(t, Tensor) else send_to_device(t, device, non_blocking)
+                t if isinstance(t, Tensor) and t.device == device else send_to_device(t, device, non_blocking)
                 for t in tensor
             ]
         )
     if skip_keys is None and kind is dict:
         return {
-            key: _moved(value, device, non_blocking)
-            if isinstance(value, Tensor)
+            key: value
+            if isinstance(value, Tensor) and value.device == device
             else send_to_device(value, device, non_blocking)
             for key, value in tensor.items()
         }
@@ -189,11 +189,6 @@ def send_to_device(
         except TypeError:  # a `.to` without `non_blocking`
             return tensor.to(device)
     return tensor
-
-
-def _moved(tensor: Tensor, device: torch.device | str, non_blocking: bool) -> Tensor:
-    """``tensor`` on ``device``; one already there is returned without a ``.to`` call (it would return it too)."""
-    return tensor if tensor.device == device else tensor.to(device, non_blocking=non_blocking)
 
 
 def get_data_structure(data: Any) -> Any:

@@ -306,12 +306,11 @@ def test_an_input_embedding_inside_a_policy_unit_stays_in_it() -> None:
     from torch.distributed.fsdp import FSDPModule
 
     from lightning_accel.utils import FullyShardedDataParallelPlugin
-    from tests.helpers import free_port
 
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["_Embeddings"]
     )
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process: no port to race for
     try:
         torch.manual_seed(0)
         model = _Classifier()
