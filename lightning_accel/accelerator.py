@@ -416,18 +416,22 @@ class Accelerator(
         Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
         With a LOMO optimizer prepared, ``learning_rate=`` runs its fused backward (:meth:`lomo_backward`).
         """
-        if not self._models:
-            _module.check_backward_after_prepare(self._models)
+        models = self._models
+        if not models:
+            _module.check_backward_after_prepare(models)
         steps = self.gradient_state.num_steps
         if kwargs and kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
             return
         if steps != 1 and not self._strategy.engine_steps_in_backward:
             loss = loss / steps
-        if _module.plain_backward(self._models):
-            loss.backward(**kwargs)  # the strategy and precision plugin would add nothing around it
+        for model in models:
+            if model._backward_guard is not None:
+                break
+        else:  # no model's strategy or precision plugin would add anything around it
+            loss.backward(**kwargs)
             return
-        model = self._models[0] if len(self._models) == 1 else None
+        model = models[0] if len(models) == 1 else None
         with self._strategy.step_boundary(self.sync_gradients):
             self.fabric.backward(loss, model=model, **kwargs)
         _engine_step.step_after_backward(self._strategy, self._optimizers, self.sync_gradients)

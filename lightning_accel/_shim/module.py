@@ -266,14 +266,6 @@ def prepared_models(models: Sequence[Module], prepared: Sequence[AcceleratedModu
     return result
 
 
-def plain_backward(prepared: Sequence[AcceleratedModule]) -> bool:
-    """Whether ``loss.backward()`` is all ``Accelerator.backward`` has to do: models prepared, none with a guard."""
-    for model in prepared:
-        if model._backward_guard is not None:
-            return False
-    return bool(prepared)
-
-
 def check_backward_after_prepare(prepared: Sequence[AcceleratedModule]) -> None:
     """Refuse ``backward`` before any ``prepare``: precision, accumulation and sync would not apply to the loss.
 

@@ -266,7 +266,7 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
     def _stream(self, skip: int) -> Iterator[Any]:
         """Hand out the batches one ahead of the loader, after skipping the first ``skip``.
 
-        Its loop runs once per batch: the two attributes it updates are set with ``object.__setattr__``, past
+        Its loop runs once per batch: the attributes it updates are set with ``object.__setattr__``, past
         ``DataLoader.__setattr__`` (a Python call that guards the loader's own arguments, which these are not).
         """
         batches = self._base_batches()
@@ -279,8 +279,8 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
             if stateful:
                 self._snapshot()
             upcoming = next(batches, _END)
-            object.__setattr__(self, "end_of_dataloader", upcoming is _END)
-            if stateful and upcoming is _END:
+            if upcoming is _END:  # begin() set it False
+                object.__setattr__(self, "end_of_dataloader", True)
                 self._snapshot()
             position += 1
             object.__setattr__(self, "position", position)
@@ -294,8 +294,8 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
             if current is _END:
                 return _END
             current = next(batches, _END)
-            object.__setattr__(self, "end_of_dataloader", current is _END)
             if current is _END:
+                object.__setattr__(self, "end_of_dataloader", True)
                 self._snapshot()
         if current is not _END:
             self._restore_resumed_rng()

@@ -56,7 +56,7 @@ class GradientState(_SharedState):
     @property
     def active_dataloader(self) -> Any | None:
         """The innermost data loader being iterated, if any."""
-        for ref in reversed(self._references):  # the last live one (read every micro-step: no lists built)
+        for ref in self._references:  # newest first; the first live one (read every micro-step: no lists built)
             loader = ref()
             if loader is not None:
                 return loader
@@ -83,7 +83,7 @@ class GradientState(_SharedState):
         self.sync_gradients = sync_gradients
 
     def _add_dataloader(self, dataloader: Any) -> None:
-        self._references = [*self._references, weakref.ref(dataloader)]
+        self._references = [weakref.ref(dataloader), *self._references]
 
     def _remove_dataloader(self, dataloader: Any) -> None:
         self._references = [ref for ref in self._references if ref() is not dataloader and ref() is not None]

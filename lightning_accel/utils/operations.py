@@ -161,12 +161,11 @@ def send_to_device(
         return tensor if tensor.device == device else tensor.to(device, non_blocking=non_blocking)
     kind = type(tensor)
     if skip_keys is None and (kind is list or kind is tuple):  # a loader's usual batch, moved every step
-        return kind(
-            [
-                t if isinstance(t, Tensor) and t.device == device else send_to_device(t, device, non_blocking)
-                for t in tensor
-            ]
-        )
+        moved = [
+            t if isinstance(t, Tensor) and t.device == device else send_to_device(t, device, non_blocking)
+            for t in tensor
+        ]
+        return moved if kind is list else tuple(moved)
     if skip_keys is None and kind is dict:
         return {
             key: value
