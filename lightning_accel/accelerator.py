@@ -439,7 +439,7 @@ class Accelerator(
     def _do_sync(self) -> bool:
         """Count the micro-step and decide whether it synchronises; returns (and records) the decision."""
         state = self.gradient_state
-        if state.sync_with_dataloader and state.end_of_dataloader:
+        if state.end_of_dataloader and state.sync_with_dataloader:  # the first is False on most micro-steps
             self.step = 0
             sync = True
         else:
@@ -658,8 +658,11 @@ class _Accumulation:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> bool:
-        no_sync, self._no_sync = self._no_sync, None
-        return no_sync is not None and bool(no_sync.__exit__(exc_type, exc, traceback))
+        no_sync = self._no_sync
+        if no_sync is None:
+            return False
+        self._no_sync = None
+        return bool(no_sync.__exit__(exc_type, exc, traceback))
 
     def _prepared(self) -> list[Module]:
         """Fabric's wrappers of the models (a DeepSpeed engine's, a plain module's); refuses one never prepared."""

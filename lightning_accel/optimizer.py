@@ -150,7 +150,7 @@ class AcceleratedOptimizer(Optimizer):
             if self._zero_grad_target is None:
                 self.optimizer.zero_grad(set_to_none=set_to_none)
             else:
-                Optimizer.zero_grad(self._zero_grad_target, set_to_none=set_to_none)
+                Optimizer.zero_grad(self._zero_grad_target, set_to_none)
 
     @override
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -70,8 +70,11 @@ class GradientState(_SharedState):
     @property
     def end_of_dataloader(self) -> bool:
         """Whether the active data loader yielded (or is yielding) its last batch."""
-        loader = self.active_dataloader
-        return bool(loader is not None and loader.end_of_dataloader)
+        for ref in self._references:  # active_dataloader's walk, without its call: read every micro-step
+            loader = ref()
+            if loader is not None:
+                return bool(loader.end_of_dataloader)
+        return False
 
     @property
     def remainder(self) -> int:

@@ -150,6 +150,9 @@ def send_to_device(
 ) -> Any:
     """Move every tensor (and every object with a ``to`` method) in ``tensor`` to ``device``.
 
+    What is on ``device`` already comes back as it is: a tensor, and a list or tuple of such tensors (as
+    ``Tensor.to`` returns the tensor itself); other containers are rebuilt.
+
     Args:
         tensor: The data to move.
         device: Target device.
@@ -157,14 +160,16 @@ def send_to_device(
         skip_keys: Mapping keys whose values are left where they are.
 
     """
-    if isinstance(tensor, Tensor):  # one already on the device is returned as it is (its .to would return it too)
+    if isinstance(tensor, Tensor):
         return tensor if tensor.device == device else tensor.to(device, non_blocking=non_blocking)
     kind = type(tensor)
     if skip_keys is None and (kind is list or kind is tuple):  # a loader's usual batch, moved every step
-        moved = [
-            t if isinstance(t, Tensor) and t.device == device else send_to_device(t, device, non_blocking)
-            for t in tensor
-        ]
+        for t in tensor:
+            if not (isinstance(t, Tensor) and t.device == device):
+                break
+        else:  # tensors all on the device already: the batch itself, as Tensor.to returns itself
+            return tensor
+        moved = [send_to_device(t, device, non_blocking) for t in tensor]
         return moved if kind is list else tuple(moved)
     if skip_keys is None and kind is dict:
         return {
