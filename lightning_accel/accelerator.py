@@ -425,8 +425,8 @@ class Accelerator(
             return
         if steps != 1 and not self._strategy.engine_steps_in_backward:
             loss = loss / steps
-        for model in models:
-            if model._backward_guard is not None:
+        for prepared in models:
+            if prepared._backward_guard is not None:
                 break
         else:  # no model's strategy or precision plugin would add anything around it
             loss.backward(**kwargs)

@@ -169,8 +169,8 @@ def send_to_device(
                 break
         else:  # tensors all on the device already: the batch itself, as Tensor.to returns itself
             return tensor
-        moved = [send_to_device(t, device, non_blocking) for t in tensor]
-        return moved if kind is list else tuple(moved)
+        items = [send_to_device(t, device, non_blocking) for t in tensor]
+        return items if kind is list else tuple(items)
     if skip_keys is None and kind is dict:
         return {
             key: value
