@@ -1,4 +1,5 @@
-"""The shim's per-step shortcuts behave as the paths they skip: Fabric's forward, clearing through Fabric's wrapper.
+"""The shim's per-step shortcuts behave as the paths they skip: Fabric's forward, clearing through Fabric's wrapper,
+moving a batch that is on its device already.
 
 ``AcceleratedModule.forward`` calls the wrapped module directly only where Fabric's forward would convert nothing;
 ``AcceleratedOptimizer.zero_grad`` clears the user's optimizer directly where the wrapper's ``zero_grad`` is torch's.
@@ -16,6 +17,7 @@ from torch import nn
 from lightning_accel import Accelerator
 from lightning_accel._shim.module import passes_forward_through
 from lightning_accel.precision.plugins import BF16Precision, FP32Precision
+from lightning_accel.utils import send_to_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,16 @@ def test_bf16_forward_still_runs_under_autocast() -> None:
     assert model(torch.randn(3, 4)).dtype == torch.bfloat16
 
 
+def test_a_precision_plugin_put_in_after_prepare_is_checked_again() -> None:
+    """The pass-through decision is kept per plugin object: a new plugin gets Fabric's forward (autocast) again."""
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    assert model(x).dtype == torch.float32  # decided (and kept) for the fp32 plugin
+    accelerator.fabric.strategy.precision = BF16Precision(device="cpu")
+    assert model(x).dtype == torch.bfloat16
+
+
 def test_a_frozen_dataclass_output_is_refused_as_by_fabric() -> None:
     model = Accelerator(cpu=True).prepare(_FrozenOutput())
     with pytest.raises(ValueError, match="frozen dataclass"):
@@ -89,3 +101,21 @@ def test_zero_grad_after_a_pickle_round_trip() -> None:
         parameter.grad = torch.ones_like(parameter)
     copy.zero_grad()
     assert all(parameter.grad is None for parameter in params)
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_a_batch_on_its_device_comes_back_as_it_is(kind: type) -> None:
+    """As ``Tensor.to`` returns the tensor itself; a batch to move gets a new container of the same kind."""
+    batch = kind([torch.ones(2), torch.zeros(3)])
+    assert send_to_device(batch, torch.device("cpu")) is batch
+    moved = send_to_device(batch, torch.device("meta"))
+    assert type(moved) is kind and moved is not batch
+    assert [t.device.type for t in moved] == ["meta", "meta"]
+    assert [t.device.type for t in batch] == ["cpu", "cpu"]
+
+
+def test_a_batch_with_a_non_tensor_is_rebuilt() -> None:
+    batch = [torch.ones(2), "label"]
+    moved = send_to_device(batch, torch.device("meta"))
+    assert moved[0].device.type == "meta" and moved[1] == "label"
+    assert send_to_device(batch, torch.device("cpu")) == batch
