@@ -22,7 +22,6 @@ from torch import nn
 
 from lightning_accel.config import FullyShardedDataParallelPlugin
 from lightning_accel.strategies.fsdp_core import FSDPFamily
-from tests.helpers import free_port
 from tests.scripts.fsdp_utils_parity import Net
 
 BLOCKS = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": ["Block"]}
@@ -31,7 +30,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group() -> Generator[None, None, None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process: no port to race for
     yield
     dist.destroy_process_group()
 
