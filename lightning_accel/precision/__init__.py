@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_accel.enums import PrecisionType
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.precision.fp8 import FP8Precision
 from lightning_accel.precision.plugins import BF16Precision, FP16Precision, FP32Precision
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import Precision as LightningPrecision
 
 _BY_TYPE: dict[PrecisionType, type[AcceleratePrecision]] = {
     PrecisionType.NO: FP32Precision,
@@ -41,7 +44,7 @@ def precision_plugin(precision: PrecisionType | str, **kwargs: Any) -> Accelerat
     return _BY_TYPE[PrecisionType(str(precision))](**kwargs)
 
 
-def from_lightning(plugin: Any) -> Any:
+def from_lightning(plugin: LightningPrecision) -> LightningPrecision:
     """Translate a plugin Lightning built from its precision string into this package's equivalent.
 
     ``Precision()`` ("32-true") becomes :class:`FP32Precision`, ``MixedPrecision`` ("16-mixed"/"bf16-mixed") becomes
@@ -51,10 +54,11 @@ def from_lightning(plugin: Any) -> Any:
     from lightning.fabric.plugins import precision as fabric
     from lightning.pytorch.plugins import precision as trainer
 
-    kind = type(plugin)
+    kind = type(plugin)  # exact classes: a subclass (a user's own plugin) is kept
     if kind in (trainer.Precision, fabric.Precision):
         return FP32Precision()
-    if kind in (trainer.MixedPrecision, fabric.MixedPrecision):
+    mixed = (trainer.MixedPrecision, fabric.MixedPrecision)
+    if kind in mixed and isinstance(plugin, mixed):
         if plugin.precision == "bf16-mixed":
             return BF16Precision(device=plugin.device)
         return FP16Precision(device=plugin.device, scaler=plugin.scaler)  # the user's scaler (or Lightning's default)
@@ -65,7 +69,7 @@ def from_lightning(plugin: Any) -> Any:
     return plugin
 
 
-def _from_fsdp_string(precision: str, plugin: Any) -> Any:
+def _from_fsdp_string(precision: str, plugin: LightningPrecision) -> LightningPrecision:
     """The plugin of this package for the precision string of Lightning's ``FSDPPrecision`` (acc_fsdp shards itself)."""
     translations: dict[str, Callable[[], AcceleratePrecision]] = {
         "32-true": FP32Precision,
@@ -78,7 +82,7 @@ def _from_fsdp_string(precision: str, plugin: Any) -> Any:
     return plugin if translated is None else translated()
 
 
-def bind_device(plugin: Any, device_type: str) -> None:
+def bind_device(plugin: LightningPrecision, device_type: str) -> None:
     """Tell an unbound plugin of this package which device type it runs on (validating the combination)."""
     if isinstance(plugin, AcceleratePrecision) and plugin.device != device_type:
         plugin.bind(device_type)
