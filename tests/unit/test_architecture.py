@@ -225,6 +225,50 @@ def test_callbacks_and_the_shim_do_not_import_each_other() -> None:
     assert crossing == []
 
 
+def _strategy_probes(tree: ast.AST) -> Iterator[str]:
+    """Where code branches on a strategy's class or probes it for members instead of asking the protocol.
+
+    ``isinstance(x, SomeStrategy)`` (also inside a tuple of classes), and ``getattr(strategy, name, default)`` or
+    ``hasattr(strategy, name)`` on an expression that mentions a strategy.
+    """
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        name, args = node.func.id, node.args
+        if name == "isinstance" and len(args) == 2:
+            classes = args[1].elts if isinstance(args[1], ast.Tuple) else [args[1]]
+            if any(ast.unparse(cls).endswith("Strategy") for cls in classes):
+                yield f"line {node.lineno}: {ast.unparse(node)}"
+        probe = (name == "getattr" and len(args) == 3) or (name == "hasattr" and len(args) == 2)
+        if probe and "strategy" in ast.unparse(args[0]).lower():
+            yield f"line {node.lineno}: {ast.unparse(node)}"
+
+
+def test_the_shim_asks_strategies_through_the_protocol_only() -> None:
+    """No ``isinstance(strategy, <a strategy class>)`` and no ``getattr(strategy, ..., None)`` in the shim (issue 22):
+    what the shim needs of a strategy is a member of ``strategies.protocol.ShimStrategy``, which every ``acc_*``
+    Fabric strategy implements.
+    """
+    found = sorted(
+        f"{module} {probe}"
+        for module, path in _modules().items()
+        if module.count(".") and _layer(module) in SHIM
+        for probe in _strategy_probes(ast.parse(path.read_text(encoding="utf-8")))
+    )
+    assert found == []
+
+
+def test_the_probe_finder_finds_probes() -> None:
+    source = (
+        "isinstance(s, (int, FSDPStrategy))\n"
+        "getattr(self._strategy, 'fsdp_plugin', None)\n"
+        "hasattr(fabric.strategy, 'engine')\n"
+        "getattr(model, 'module', model)\n"  # not a strategy: allowed
+        "isinstance(precision, AcceleratePrecision)\n"  # not a strategy class: allowed
+    )
+    assert [probe.split(":")[0] for probe in _strategy_probes(ast.parse(source))] == ["line 1", "line 2", "line 3"]
+
+
 def test_the_shim_internals_are_used_by_the_shim_only() -> None:
     outside = sorted(
         f"{module} imports {target}"
