@@ -109,10 +109,14 @@ def problems_of(result: ClientResult) -> list[str]:
 
 
 def stale_reasons(result: ClientResult) -> list[str]:
-    """Ids that differences.yaml explains although the scenario is ok now (patterns are never stale)."""
+    """Ids that differences.yaml explains although the scenario is ok now.
+
+    Patterns are never stale, nor is an entry whose reason starts with "Flaky" (a scenario that fails in some runs
+    only is expected to be ok in others).
+    """
     reasons = _read_yaml(HERE / result.name / "differences.yaml")
     ok = {str(scenario["id"]) for scenario in result.scenarios if scenario.get("ok") is True}
-    return sorted(key for key in reasons if key in ok)
+    return sorted(key for key, reason in reasons.items() if key in ok and not reason.startswith("Flaky"))
 
 
 def _read_yaml(path: Path) -> dict[str, str]:
