@@ -24,6 +24,7 @@ from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismCo
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.fsdp_core import FSDPFamily
+from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -111,8 +112,6 @@ class ParallelFamily:
 
     def configure_launch(self, world_size: int, devices: list[torch.device] | None, precision: Any) -> None:
         """Before the processes start: fit the config to them (:meth:`check_processes`) and bind ``precision``."""
-        from lightning_accel.strategies.precision_bridge import bind_precision
-
         assert devices is not None
         self.check_processes(world_size, devices[0].type)
         bind_precision(precision, devices)
@@ -316,8 +315,6 @@ class ParallelFamilyAdapter:
 
     def _configure_launcher(self: _OnDevices) -> None:
         """Fit the config to the processes and bind the precision (:meth:`ParallelFamily.configure_launch`)."""
-        from lightning_accel.strategies.precision_bridge import strategy_precision
-
         self._parallel.configure_launch(
             self.num_nodes * self.num_processes, self.parallel_devices, strategy_precision(self)
         )

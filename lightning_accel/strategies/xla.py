@@ -226,7 +226,31 @@ class FabricPJRTAccelerator(_PJRTDevices, _FabricXLAAccelerator):  # type: ignor
     _lightning_count = staticmethod(_FabricXLAAccelerator.auto_device_count)
 
 
-class AcceleratedXLAStrategy(_TrainerXLAStrategy):
+class _PJRTStrategy:
+    """What the Trainer and Fabric XLA strategies share (listed before Lightning's ``SingleDeviceXLAStrategy``).
+
+    ``_default_accelerator`` is the PJRT accelerator of the strategy's side (Trainer or Fabric).
+    """
+
+    _default_accelerator: ClassVar[type[_FabricXLAAccelerator | _TrainerXLAAccelerator]]
+    accelerator: Any
+    strategy_name: str
+
+    def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
+        require_torch_xla()
+        kwargs.setdefault("accelerator", self._default_accelerator())
+        super().__init__(torch.device(device), **kwargs)  # type: ignore[call-arg]  # Lightning's, after this class
+        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
+        self.accelerator = self.accelerator  # the check the connector's assignment gets
+        self.strategy_name = strategy_name
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's type: ``XLA``."""
+        return DistributedType.XLA
+
+
+class AcceleratedXLAStrategy(_PJRTStrategy, _TrainerXLAStrategy):
     """Trainer strategy for ``DistributedType.XLA``: Lightning's ``SingleDeviceXLAStrategy`` on a PJRT accelerator.
 
     Args:
@@ -246,13 +270,7 @@ class AcceleratedXLAStrategy(_TrainerXLAStrategy):
 
     """
 
-    def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
-        require_torch_xla()
-        kwargs.setdefault("accelerator", PJRTAccelerator())
-        super().__init__(torch.device(device), **kwargs)
-        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
-        self.accelerator = self.accelerator  # the check the connector's assignment gets
-        self.strategy_name = strategy_name
+    _default_accelerator = PJRTAccelerator
 
     @property
     @override
@@ -274,13 +292,8 @@ class AcceleratedXLAStrategy(_TrainerXLAStrategy):
             _check_one_device(len(get_parallel_devices(connector)))
         super().setup_environment()
 
-    @property
-    def distributed_type(self) -> DistributedType:
-        """Accelerate's type: ``XLA``."""
-        return DistributedType.XLA
 
-
-class FabricAcceleratedXLAStrategy(ProcessGroupShards, _FabricXLAStrategy, ShimStrategyDefaults):
+class FabricAcceleratedXLAStrategy(ProcessGroupShards, _PJRTStrategy, _FabricXLAStrategy, ShimStrategyDefaults):
     """Fabric strategy for ``DistributedType.XLA``: Lightning's Fabric ``SingleDeviceXLAStrategy`` on PJRT.
 
     Args:
@@ -295,13 +308,7 @@ class FabricAcceleratedXLAStrategy(ProcessGroupShards, _FabricXLAStrategy, ShimS
 
     """
 
-    def __init__(self, device: Any = "xla:0", *, strategy_name: str = "acc_xla", **kwargs: Any) -> None:
-        require_torch_xla()
-        kwargs.setdefault("accelerator", FabricPJRTAccelerator())
-        super().__init__(torch.device(device), **kwargs)
-        refuse_cpu_processes()  # after torch_xla has started: without a TPU it sets PJRT_DEVICE=CPU itself
-        self.accelerator = self.accelerator  # the check the connector's assignment gets
-        self.strategy_name = strategy_name
+    _default_accelerator = FabricPJRTAccelerator
 
     @property
     @override
@@ -312,11 +319,6 @@ class FabricAcceleratedXLAStrategy(ProcessGroupShards, _FabricXLAStrategy, ShimS
     @override
     def accelerator(self, accelerator: _FabricAccelerator | None) -> None:
         _FabricXLAStrategy.accelerator.fset(self, _fabric_accelerator(accelerator))  # type: ignore[attr-defined]
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """Accelerate's type: ``XLA``."""
-        return DistributedType.XLA
 
 
 ENTRIES = (
