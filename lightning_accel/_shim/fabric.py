@@ -7,7 +7,6 @@ it into the strategy object that does the work.
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -39,6 +38,7 @@ from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
 from lightning_accel.strategies import entry_for
+from lightning_accel.strategies.lightning_arguments import keyword_names, takes_any_keyword
 from lightning_accel.strategies.protocol import ShimStrategy
 from lightning_accel.strategies.registry import StrategyEntry, entries
 from lightning_accel.utils.deepspeed import DummyOptim, DummyScheduler
@@ -186,10 +186,10 @@ def _accepted(cls: type, options: Mapping[str, Any], *, open_kwargs: bool = Fals
 
     With ``open_kwargs``, a class taking ``**kwargs`` takes every option (it says itself which it refuses).
     """
-    parameters = inspect.signature(cls).parameters
-    if open_kwargs and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    if open_kwargs and takes_any_keyword(cls):
         return dict(options)
-    return {name: value for name, value in options.items() if name in parameters}
+    names = keyword_names(cls)
+    return {name: value for name, value in options.items() if name in names}
 
 
 def build_fabric(

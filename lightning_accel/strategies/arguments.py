@@ -8,7 +8,6 @@ launcher's processes, strategy and precision; ``strategy="acc_auto"`` builds :fu
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from lightning_accel.config._arguments import (
 from lightning_accel.config._settings import PLUGIN_BY_TYPE, build_dynamo_plugin
 from lightning_accel.launch_settings import resolve_settings
 from lightning_accel.precision import FP8Precision
+from lightning_accel.strategies.lightning_arguments import keyword_names
 from lightning_accel.strategies.registry import StrategyEntry, entries, entry_for
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def _add_dynamo_plugin(settings: Mapping[str, Any], name: str, cls: type, option
     backend = settings.get("dynamo_backend", "NO")
     if backend == "NO" or "dynamo_plugin" in options:
         return
-    if "dynamo_plugin" not in inspect.signature(cls).parameters:
+    if "dynamo_plugin" not in keyword_names(cls):
         raise ValueError(
             f"dynamo_config asks for torch.compile (backend {backend!r}), but {name} does not apply it yet; remove "
             "dynamo_config (or set dynamo_backend: 'NO') and call torch.compile on your model yourself"

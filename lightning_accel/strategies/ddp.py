@@ -6,31 +6,28 @@ Trainer's and Fabric's ``DDPStrategy``.
 
 from __future__ import annotations
 
-from typing import Literal
-
-import torch
-from lightning.fabric.accelerators import Accelerator as FabricAccelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies import DDPStrategy as _FabricDDPStrategy
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DDPStrategy as _TrainerDDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import lightning_private_members
-from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
-from lightning_accel.strategies.ddp_core import DDPFamily, DDPFamilyAdapter
+from lightning_accel.strategies.ddp_core import DDPFamilyAdapter, DDPOptions
+from lightning_accel.strategies.lightning_arguments import FabricPlugins, ParallelArguments, TrainerPlugins
 from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 
-_StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+class TrainerDDPArgs(DDPOptions, ParallelArguments, TrainerPlugins, total=False):
+    """The keyword arguments of :class:`AcceleratedDDPStrategy`."""
+
+
+class FabricDDPArgs(DDPOptions, ParallelArguments, FabricPlugins, total=False):
+    """The keyword arguments of :class:`FabricAcceleratedDDPStrategy`."""
 
 
 @lightning_private_members("_configure_launcher", "_setup_model", "_register_ddp_hooks", "_get_process_group_backend")
@@ -44,12 +41,11 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
         init_kwargs: Process-group options (collective backend, init method, timeout).
         dynamo_plugin: ``torch.compile`` settings applied to the model before it is wrapped.
         strategy_name: The name shown in messages (set by the registry).
-        accelerator: Passed to Lightning.
-        parallel_devices: Passed to Lightning.
-        cluster_environment: Passed to Lightning.
-        checkpoint_io: Passed to Lightning.
-        precision_plugin: Passed to Lightning.
+        checkpoint_io: Lightning's checkpoint I/O; by default ``torch.save`` files, an unreadable one named in the
+            error.
         start_method: How processes start: ``"popen"`` re-runs the script, the others use ``torch.multiprocessing``.
+        **kwargs: The keyword settings above, and Lightning's ``accelerator``, ``parallel_devices``,
+            ``cluster_environment`` and ``precision_plugin`` (the Trainer sets them when left out).
 
     Example:
         >>> import lightning as L
@@ -64,32 +60,8 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
 
     """
 
-    def __init__(
-        self,
-        distributed_type: DistributedType | str | None = None,
-        *,
-        ddp_kwargs: DistributedDataParallelKwargs | None = None,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_ddp",
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        start_method: _StartMethod = "popen",
-    ) -> None:
-        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs, dynamo_plugin)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
-            precision_plugin=precision_plugin,
-            timeout=self._family.timeout,
-            start_method=start_method,
-            **self._family.torch_ddp_kwargs(),
-        )
+    def __init__(self, distributed_type: DistributedType | str | None = None, **kwargs: Unpack[TrainerDDPArgs]) -> None:
+        super().__init__(**self._adopt_family(TrainerDDPArgs, distributed_type, kwargs))
 
     precision_plugin = translating(_TrainerDDPStrategy.precision_plugin)
 
@@ -126,32 +98,8 @@ class FabricAcceleratedDDPStrategy(ProcessGroupShards, DDPFamilyAdapter, _Fabric
     #: DDP-wrapped models are torch ``Joinable`` (``Accelerator.join_uneven_inputs``).
     joins_uneven_inputs = True
 
-    def __init__(
-        self,
-        distributed_type: DistributedType | str | None = None,
-        *,
-        ddp_kwargs: DistributedDataParallelKwargs | None = None,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_ddp",
-        accelerator: FabricAccelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: FabricPrecision | None = None,
-        start_method: _StartMethod = "popen",
-    ) -> None:
-        self._family = DDPFamily(strategy_name, distributed_type, ddp_kwargs, init_kwargs, dynamo_plugin)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
-            precision=precision,
-            timeout=self._family.timeout,
-            start_method=start_method,
-            **self._family.torch_ddp_kwargs(),
-        )
+    def __init__(self, distributed_type: DistributedType | str | None = None, **kwargs: Unpack[FabricDDPArgs]) -> None:
+        super().__init__(**self._adopt_family(FabricDDPArgs, distributed_type, kwargs))
 
     precision = translating(_FabricDDPStrategy.precision)
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
@@ -24,7 +25,9 @@ from lightning_accel.config.devices import (
 )
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType
 from lightning_accel.lightning_compat import set_process_group_backend
+from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
+from lightning_accel.strategies.lightning_arguments import StartMethod, check_keywords
 from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
@@ -167,6 +170,25 @@ class _Host(Protocol):
     def _get_process_group_backend(self) -> str: ...
 
 
+class ProcessGroupOptions(TypedDict, total=False):
+    """The settings every DDP-family strategy takes: the process group's and the name shown in messages."""
+
+    init_kwargs: InitProcessGroupKwargs | None
+    strategy_name: str
+    checkpoint_io: CheckpointIO | None
+
+
+class DDPOptions(ProcessGroupOptions, total=False):
+    """``acc_ddp``'s settings besides ``distributed_type`` (documented on the strategies in :mod:`.ddp`)."""
+
+    ddp_kwargs: DistributedDataParallelKwargs | None
+    dynamo_plugin: TorchDynamoPlugin | None
+    start_method: StartMethod
+
+
+_FAMILY_KEYS = ("strategy_name", "ddp_kwargs", "init_kwargs", "dynamo_plugin")
+
+
 class DDPFamilyAdapter:
     """What the Trainer and Fabric twins of a DDP-family strategy share, read from their ``_family``.
 
@@ -180,6 +202,24 @@ class DDPFamilyAdapter:
     def distributed_type(self) -> DistributedType | None:
         """The Accelerate type this strategy runs (known once the devices are)."""
         return self._family.distributed_type
+
+    def _adopt_family(
+        self, schema: type, distributed_type: DistributedType | str | None, options: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Build the strategy's :class:`DDPFamily` from ``options``; the arguments for Lightning's ``DDPStrategy``."""
+        check_keywords(self, schema, options)
+        own = {key: options.get(key) for key in _FAMILY_KEYS}
+        self._family = DDPFamily(
+            own["strategy_name"] or "acc_ddp",
+            distributed_type,
+            own["ddp_kwargs"],
+            own["init_kwargs"],
+            own["dynamo_plugin"],
+        )
+        lightning = {key: value for key, value in options.items() if key not in own}
+        if lightning.get("checkpoint_io") is None:
+            lightning["checkpoint_io"] = NamingTorchCheckpointIO()
+        return {**lightning, "timeout": self._family.timeout, **self._family.torch_ddp_kwargs()}
 
     def _get_process_group_backend(self: _Host) -> str:
         return self._family.collective_backend(self.root_device)

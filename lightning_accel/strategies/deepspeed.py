@@ -10,26 +10,20 @@ under the Trainer give the numbers of ``ddp`` with gradient accumulation too (se
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
-from lightning.fabric.accelerators import Accelerator as FabricAccelerator
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.plugins import DeepSpeedPrecision as TrainerDeepSpeedPrecision
-from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy as _TrainerDeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -38,7 +32,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint, EngineCheckpoint
 from lightning_accel.config import DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
@@ -67,6 +61,12 @@ from lightning_accel.strategies.deepspeed_prepare import (
     dummy_fills,
     resolve_prepare_config,
 )
+from lightning_accel.strategies.lightning_arguments import (
+    FabricPlugins,
+    ParallelArguments,
+    TrainerPlugins,
+    check_keywords,
+)
 from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating, strategy_precision
 from lightning_accel.strategies.protocol import (
     ContextBackwardSync,
@@ -93,10 +93,49 @@ class _OnDevices(Protocol):
     def parallel_devices(self) -> list[torch.device] | None: ...
 
 
+class DeepSpeedOptions(TypedDict, total=False):
+    """``acc_deepspeed``'s settings besides ``deepspeed_plugin`` (see :class:`AcceleratedDeepSpeedStrategy`)."""
+
+    plugin_fields: Mapping[str, Any] | None
+    dynamo_plugin: TorchDynamoPlugin | None
+    strategy_name: str
+    process_group_backend: str | None
+    timeout: timedelta | None
+    init_kwargs: InitProcessGroupKwargs | None
+    remote_device: str | None
+    load_full_weights: bool
+    exclude_frozen_parameters: bool
+    logging_level: int
+
+
+class TrainerDeepSpeedArgs(DeepSpeedOptions, ParallelArguments, TrainerPlugins, total=False):
+    """The keyword arguments of :class:`AcceleratedDeepSpeedStrategy`."""
+
+
+class FabricDeepSpeedArgs(DeepSpeedOptions, ParallelArguments, FabricPlugins, total=False):
+    """The keyword arguments of :class:`FabricAcceleratedDeepSpeedStrategy`."""
+
+    gradient_accumulation_steps: int | None
+
+
+_FAMILY_KEYS = ("plugin_fields", "dynamo_plugin", "strategy_name", "init_kwargs", "gradient_accumulation_steps")
+
+
 class _DeepSpeedFamilyAdapter:
     """What the Trainer and Fabric DeepSpeed strategies share, read from their ``_family`` (before Lightning's)."""
 
     _family: DeepSpeedFamily
+
+    def _adopt_family(self, schema: type, plugin: DeepSpeedPlugin | None, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Build the strategy's :class:`DeepSpeedFamily`; the arguments for Lightning's ``DeepSpeedStrategy``."""
+        check_keywords(self, schema, options)
+        name = options.get("strategy_name") or "acc_deepspeed"
+        self._family = DeepSpeedFamily(name, plugin, options.get("plugin_fields"), options.get("dynamo_plugin"))
+        lightning = {key: value for key, value in options.items() if key not in _FAMILY_KEYS}
+        backend, timeout = process_group_settings(
+            options.get("init_kwargs"), options.get("process_group_backend"), options.get("timeout", default_pg_timeout)
+        )
+        return {**lightning, "config": self._family.config, "process_group_backend": backend, "timeout": timeout}
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin:
@@ -144,10 +183,6 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
             ``acc_deepspeed_stage_*`` names).
         dynamo_plugin: ``torch.compile`` settings applied to the model before DeepSpeed wraps it.
         strategy_name: The name shown in messages (set by the registry).
-        accelerator: Passed to Lightning.
-        parallel_devices: Passed to Lightning.
-        cluster_environment: Passed to Lightning.
-        precision_plugin: Passed to Lightning.
         process_group_backend: The collective backend; by default gloo on CPU and NCCL on CUDA.
         timeout: Process-group timeout.
         init_kwargs: Accelerate's process-group options; its ``backend`` and ``timeout`` win over the two above.
@@ -155,6 +190,8 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
         load_full_weights: Resume ZeRO 3 from a single full checkpoint file instead of a DeepSpeed directory.
         exclude_frozen_parameters: Leave frozen parameters out of checkpoints.
         logging_level: Level of DeepSpeed's logger.
+        **kwargs: The keyword settings above, and Lightning's ``accelerator``, ``parallel_devices``,
+            ``cluster_environment`` and ``precision_plugin`` (the Trainer sets them when left out).
 
     Example:
         >>> import lightning as L
@@ -172,40 +209,8 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
     #: Callbacks that skip the context to sync each batch must keep it here (ZeRO 2/3 reduce every micro-batch anyway).
     marks_step_boundary = True
 
-    def __init__(
-        self,
-        deepspeed_plugin: DeepSpeedPlugin | None = None,
-        *,
-        plugin_fields: Mapping[str, Any] | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_deepspeed",
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        remote_device: str | None = None,
-        load_full_weights: bool = False,
-        exclude_frozen_parameters: bool = False,
-        logging_level: int = logging.WARN,
-    ) -> None:
-        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
-        process_group_backend, timeout = process_group_settings(init_kwargs, process_group_backend, timeout)
-        super().__init__(
-            accelerator=accelerator,
-            config=self._family.config,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            remote_device=remote_device,
-            load_full_weights=load_full_weights,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-            logging_level=logging_level,
-        )
+    def __init__(self, deepspeed_plugin: DeepSpeedPlugin | None = None, **kwargs: Unpack[TrainerDeepSpeedArgs]) -> None:
+        super().__init__(**self._adopt_family(TrainerDeepSpeedArgs, deepspeed_plugin, kwargs))
         self._engine: Any = None  # the engine the last entry point built, released by the next one
         self.checkpoint_io = NamingTorchCheckpointIO()  # a full-weights file that cannot be read is named
 
@@ -412,42 +417,10 @@ class FabricAcceleratedDeepSpeedStrategy(
     engine_steps_in_backward = True
     marks_step_boundary = True
 
-    def __init__(
-        self,
-        deepspeed_plugin: DeepSpeedPlugin | None = None,
-        *,
-        plugin_fields: Mapping[str, Any] | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_deepspeed",
-        accelerator: FabricAccelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        precision: FabricPrecision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        remote_device: str | None = None,
-        load_full_weights: bool = False,
-        exclude_frozen_parameters: bool = False,
-        logging_level: int = logging.WARN,
-        gradient_accumulation_steps: int | None = None,
-    ) -> None:
-        self._family = DeepSpeedFamily(strategy_name, deepspeed_plugin, plugin_fields, dynamo_plugin)
-        process_group_backend, timeout = process_group_settings(init_kwargs, process_group_backend, timeout)
-        self._accumulation = _loop_accumulation(self._family.config, gradient_accumulation_steps)
-        super().__init__(
-            accelerator=accelerator,
-            config=self._family.config,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            remote_device=remote_device,
-            load_full_weights=load_full_weights,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-            logging_level=logging_level,
-        )
+    def __init__(self, deepspeed_plugin: DeepSpeedPlugin | None = None, **kwargs: Unpack[FabricDeepSpeedArgs]) -> None:
+        lightning = self._adopt_family(FabricDeepSpeedArgs, deepspeed_plugin, kwargs)
+        self._accumulation = _loop_accumulation(self._family.config, kwargs.get("gradient_accumulation_steps"))
+        super().__init__(**lightning)
         set_backward_sync_control(self, ContextBackwardSync(self._family.no_sync))
         self.checkpoint_io = NamingTorchCheckpointIO()
         self._scheduler_callable: Any = None  # a DummyScheduler's lr_scheduler_callable, from configure_from_prepare

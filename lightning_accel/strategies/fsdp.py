@@ -8,26 +8,20 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from lightning.fabric.accelerators import Accelerator as FabricAccelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies import FSDPStrategy as LightningFabricFSDPStrategy
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_meta_tensors
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins import Precision
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_accel.checkpoint.engines import EngineCheckpoint
 from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
-from lightning_accel.config import FullyShardedDataParallelPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
+from lightning_accel.config import FullyShardedDataParallelPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import (
     get_layer_sync,
@@ -36,13 +30,20 @@ from lightning_accel.lightning_compat import (
 )
 from lightning_accel.precision.fp8 import refresh_float8_scales
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
-from lightning_accel.strategies.fsdp_core import FSDPFamily, FSDPFamilyAdapter
+from lightning_accel.strategies.fsdp_core import FSDPFamilyAdapter, FSDPOptions
 from lightning_accel.strategies.fsdp_optimizers import check_sharded_parameters
+from lightning_accel.strategies.lightning_arguments import FabricPlugins, ParallelArguments, TrainerPlugins
 from lightning_accel.strategies.protocol import ContextBackwardSync
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.strategies.sharded_adapter import ShardedFabricAdapter, ShardedTrainerAdapter, reshard
 
-_StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+class TrainerFSDPArgs(FSDPOptions, ParallelArguments, TrainerPlugins, total=False):
+    """The keyword arguments of :class:`AcceleratedFSDPStrategy`."""
+
+
+class FabricFSDPArgs(FSDPOptions, ParallelArguments, FabricPlugins, total=False):
+    """The keyword arguments of :class:`FabricAcceleratedFSDPStrategy`."""
 
 
 @lightning_private_members("_configure_launcher", "_setup_model")
@@ -55,12 +56,11 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
         init_kwargs: Process-group options (collective backend, init method, timeout).
         dynamo_plugin: ``torch.compile`` settings applied to the model before it is sharded.
         strategy_name: The name shown in messages (set by the registry).
-        accelerator: Passed to Lightning.
-        parallel_devices: Passed to Lightning.
-        cluster_environment: Passed to Lightning.
-        checkpoint_io: Passed to Lightning (used for full-state-dict checkpoint files).
-        precision_plugin: Passed to Lightning.
+        checkpoint_io: Lightning's checkpoint I/O, for full-state-dict checkpoint files; by default ``torch.save``
+            files, an unreadable one named in the error.
         start_method: How processes start, as for ``acc_ddp``.
+        **kwargs: The keyword settings above, and Lightning's ``accelerator``, ``parallel_devices``,
+            ``cluster_environment`` and ``precision_plugin`` (the Trainer sets them when left out).
 
     Checkpoints follow ``fsdp_plugin.state_dict_type``: ``FULL_STATE_DICT`` writes one file (gathered from every
     process, written by rank 0), ``SHARDED_STATE_DICT`` a directory of ``torch.distributed.checkpoint`` shards with
@@ -72,30 +72,9 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
     """
 
     def __init__(
-        self,
-        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-        *,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_fsdp",
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        start_method: _StartMethod = "popen",
+        self, fsdp_plugin: FullyShardedDataParallelPlugin | None = None, **kwargs: Unpack[TrainerFSDPArgs]
     ) -> None:
-        self._fsdp = FSDPFamily(fsdp_plugin, dynamo_plugin)
-        super().__init__(
-            init_kwargs=init_kwargs,
-            strategy_name=strategy_name,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            start_method=start_method,
-        )
+        super().__init__(**self._adopt_fsdp(TrainerFSDPArgs, fsdp_plugin, kwargs))
         self._sharded_model: Module | None = None
 
     @property
@@ -123,12 +102,7 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
         # An earlier evaluation may have left FSDP2 units gathered; the optimizer must get the sharded parameters.
         reshard(sharded)
         self.model = sharded
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        self._setup_optimizers_on_shards(trainer)
 
     def _sharded_model_of(self, module: Module) -> Module | None:
         """The sharded model ``module`` already is (FSDP2, or sharded by the user) or is wrapped in (FSDP1), if any."""
@@ -197,30 +171,9 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
     """
 
     def __init__(
-        self,
-        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-        *,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_fsdp",
-        accelerator: FabricAccelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: FabricPrecision | None = None,
-        start_method: _StartMethod = "popen",
+        self, fsdp_plugin: FullyShardedDataParallelPlugin | None = None, **kwargs: Unpack[FabricFSDPArgs]
     ) -> None:
-        self._fsdp = FSDPFamily(fsdp_plugin, dynamo_plugin)
-        super().__init__(
-            init_kwargs=init_kwargs,
-            strategy_name=strategy_name,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            start_method=start_method,
-        )
+        super().__init__(**self._adopt_fsdp(FabricFSDPArgs, fsdp_plugin, kwargs))
         set_backward_sync_control(self, ContextBackwardSync(self._fsdp.no_sync))
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
 

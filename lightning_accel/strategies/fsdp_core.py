@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,9 @@ from lightning_accel.checkpoint.fsdp_policy import check_state_dict_configs, sta
 from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.compile import apply_dynamo
+from lightning_accel.strategies.ddp_core import ProcessGroupOptions
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
+from lightning_accel.strategies.lightning_arguments import StartMethod, check_keywords
 from lightning_accel.strategies.precision_bridge import strategy_precision
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
 from lightning_accel.utils.modeling.checkpoint import METADATA_FILENAME, is_sharded_checkpoint, read_checkpoint_file
@@ -357,11 +359,26 @@ def _torch_load_on_cpu(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+class FSDPOptions(ProcessGroupOptions, total=False):
+    """``acc_fsdp``'s settings besides ``fsdp_plugin`` (documented on the strategies in :mod:`.fsdp`)."""
+
+    dynamo_plugin: TorchDynamoPlugin | None
+    start_method: StartMethod
+
+
 class FSDPFamilyAdapter:
     """What the Trainer and Fabric ``acc_fsdp`` strategies share, read from their ``_fsdp`` (listed first in bases)."""
 
     _fsdp: FSDPFamily
     _checkpoint_label = "acc_fsdp"
+
+    def _adopt_fsdp(
+        self, schema: type, fsdp_plugin: FullyShardedDataParallelPlugin | None, options: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Build the strategy's :class:`FSDPFamily`; the arguments for the DDP strategy it extends."""
+        check_keywords(self, schema, options)
+        self._fsdp = FSDPFamily(fsdp_plugin, options.get("dynamo_plugin"))
+        return {"strategy_name": "acc_fsdp", **{key: value for key, value in options.items() if key != "dynamo_plugin"}}
 
     @property
     def _sharding(self) -> FSDPFamily:

@@ -18,16 +18,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.accelerators import Accelerator as FabricAccelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins import Precision
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_accel.checkpoint.megatron import (
     gather_model_state,
@@ -35,10 +30,17 @@ from lightning_accel.checkpoint.megatron import (
     split_model_state,
     split_optimizer_state,
 )
-from lightning_accel.config import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from lightning_accel.config import DistributedDataParallelKwargs
 from lightning_accel.config.megatron import MegatronLMPlugin
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
+from lightning_accel.strategies.ddp_core import ProcessGroupOptions
+from lightning_accel.strategies.lightning_arguments import (
+    FabricPlugins,
+    ParallelArguments,
+    TrainerPlugins,
+    check_keywords,
+)
 from lightning_accel.strategies.megatron_core import MegatronFamily, clip_grad_norm_across_tensor_parallel
 from lightning_accel.strategies.registry import StrategyEntry
 
@@ -53,10 +55,32 @@ def _refuse_scaled_gradients(precision: Any, family: MegatronFamily) -> None:
         )
 
 
+class MegatronOptions(ProcessGroupOptions, total=False):
+    """``acc_megatron_lm``'s settings besides ``megatron_lm_plugin`` (see :class:`AcceleratedMegatronLMStrategy`)."""
+
+    ddp_kwargs: DistributedDataParallelKwargs | None
+
+
+class TrainerMegatronArgs(MegatronOptions, ParallelArguments, TrainerPlugins, total=False):
+    """The keyword arguments of :class:`AcceleratedMegatronLMStrategy`."""
+
+
+class FabricMegatronArgs(MegatronOptions, ParallelArguments, FabricPlugins, total=False):
+    """The keyword arguments of :class:`FabricAcceleratedMegatronLMStrategy`."""
+
+
 class _MegatronMembers:
     """What the Trainer and Fabric twins share, read from their ``_megatron`` family (listed first among the bases)."""
 
     _megatron: MegatronFamily
+
+    def _adopt_megatron(
+        self, schema: type, plugin: MegatronLMPlugin | None, options: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Build the strategy's :class:`MegatronFamily`; the arguments for the DDP strategy it extends."""
+        check_keywords(self, schema, options)
+        self._megatron = MegatronFamily(plugin, options.get("ddp_kwargs"))
+        return {"strategy_name": "acc_megatron_lm", **options}
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -93,11 +117,10 @@ class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
         ddp_kwargs: Arguments for the data-parallel ``DistributedDataParallel``.
         init_kwargs: Process-group options (collective backend, init method, timeout).
         strategy_name: The name shown in messages (set by the registry).
-        accelerator: Passed to Lightning.
-        parallel_devices: Passed to Lightning.
-        cluster_environment: Passed to Lightning.
-        checkpoint_io: Passed to Lightning.
-        precision_plugin: Passed to Lightning.
+        checkpoint_io: Lightning's checkpoint I/O; by default ``torch.save`` files, an unreadable one named in the
+            error.
+        **kwargs: The keyword settings above, and Lightning's ``accelerator``, ``parallel_devices``,
+            ``cluster_environment`` and ``precision_plugin`` (the Trainer sets them when left out).
 
     Raises:
         ModuleNotFoundError: If megatron-core is not installed (the message names
@@ -114,29 +137,9 @@ class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
     """
 
     def __init__(
-        self,
-        megatron_lm_plugin: MegatronLMPlugin | None = None,
-        *,
-        ddp_kwargs: DistributedDataParallelKwargs | None = None,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        strategy_name: str = "acc_megatron_lm",
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+        self, megatron_lm_plugin: MegatronLMPlugin | None = None, **kwargs: Unpack[TrainerMegatronArgs]
     ) -> None:
-        self._megatron = MegatronFamily(megatron_lm_plugin, ddp_kwargs)
-        super().__init__(
-            ddp_kwargs=ddp_kwargs,
-            init_kwargs=init_kwargs,
-            strategy_name=strategy_name,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(**self._adopt_megatron(TrainerMegatronArgs, megatron_lm_plugin, kwargs))
 
     @override
     def setup_distributed(self) -> None:
@@ -205,30 +208,10 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
     """
 
     def __init__(
-        self,
-        megatron_lm_plugin: MegatronLMPlugin | None = None,
-        *,
-        ddp_kwargs: DistributedDataParallelKwargs | None = None,
-        init_kwargs: InitProcessGroupKwargs | None = None,
-        strategy_name: str = "acc_megatron_lm",
-        accelerator: FabricAccelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: FabricPrecision | None = None,
+        self, megatron_lm_plugin: MegatronLMPlugin | None = None, **kwargs: Unpack[FabricMegatronArgs]
     ) -> None:
-        self._megatron = MegatronFamily(megatron_lm_plugin, ddp_kwargs)
+        super().__init__(**self._adopt_megatron(FabricMegatronArgs, megatron_lm_plugin, kwargs))
         self._megatron_modules: list[Module] = []
-        super().__init__(
-            ddp_kwargs=ddp_kwargs,
-            init_kwargs=init_kwargs,
-            strategy_name=strategy_name,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
 
     @override
     def _setup_distributed(self) -> None:

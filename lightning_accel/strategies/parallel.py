@@ -13,27 +13,23 @@ mesh)`` plays the part of ``configure_model``. Both also take a ``tp_plan`` they
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallelStrategy
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
+from lightning_accel.config import ParallelismConfig
 from lightning_accel.lightning_compat import (
     get_device_mesh,
     get_parallelize_fn,
     lightning_private_members,
     set_device_mesh,
 )
-from lightning_accel.strategies.parallel_core import ParallelFamily, ParallelFamilyAdapter, TensorParallelPlan
+from lightning_accel.strategies.parallel_core import ParallelFamilyAdapter, ParallelOptions
 from lightning_accel.strategies.precision_bridge import translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
@@ -43,6 +39,12 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 ParallelizeFn = Callable[[Module, "DeviceMesh"], Module]
+
+
+class FabricParallelArgs(ParallelOptions, total=False):
+    """The keyword arguments of :class:`FabricAcceleratedParallelStrategy`."""
+
+    parallelize_fn: ParallelizeFn | None
 
 
 @lightning_private_members("_configure_launcher", "_setup_distributed")
@@ -67,23 +69,8 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
 
     """
 
-    def __init__(
-        self,
-        parallelism_config: ParallelismConfig | None = None,
-        *,
-        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-        tp_plan: TensorParallelPlan | None = None,
-        strategy_name: str = "acc_parallel",
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        self._parallel = ParallelFamily(parallelism_config, fsdp_plugin, tp_plan)
-        self.strategy_name = strategy_name
-        super().__init__(
-            save_distributed_checkpoint=not self._parallel.checkpoints.full_state_dict,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+    def __init__(self, parallelism_config: ParallelismConfig | None = None, **kwargs: Unpack[ParallelOptions]) -> None:
+        super().__init__(**self._adopt_family(ParallelOptions, parallelism_config, kwargs))
         self._parallelized: Module | None = None
 
     precision_plugin = translating(_TrainerModelParallelStrategy.precision_plugin)
@@ -97,11 +84,6 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
         assert self.lightning_module is not None
         set_device_mesh(self.lightning_module, mesh)
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._parallel.sampler_kwargs()
-
     @override
     def setup(self, trainer: Trainer) -> None:
         """Parallelize the model ``configure_model`` built (once; later entry points reuse it), then the optimizers."""
@@ -114,12 +96,7 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
             self._parallelized = self.model
         reshard(self.model)
         self.barrier()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        self._setup_optimizers_on_shards(trainer)
 
 
 @lightning_private_members("_configure_launcher", "_setup_distributed")
@@ -144,26 +121,13 @@ class FabricAcceleratedParallelStrategy(
     """
 
     def __init__(
-        self,
-        parallelism_config: ParallelismConfig | None = None,
-        *,
-        parallelize_fn: ParallelizeFn | None = None,
-        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-        tp_plan: TensorParallelPlan | None = None,
-        strategy_name: str = "acc_parallel",
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        self, parallelism_config: ParallelismConfig | None = None, **kwargs: Unpack[FabricParallelArgs]
     ) -> None:
+        parallelize_fn = kwargs.pop("parallelize_fn", None)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"`parallelize_fn` must be callable(module, device_mesh), got {parallelize_fn!r}.")
-        self._parallel = ParallelFamily(parallelism_config, fsdp_plugin, tp_plan)
-        self.strategy_name = strategy_name
-        super().__init__(
-            parallelize_fn=parallelize_fn or _unchanged,
-            save_distributed_checkpoint=not self._parallel.checkpoints.full_state_dict,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        lightning = self._adopt_family(FabricParallelArgs, parallelism_config, kwargs)
+        super().__init__(parallelize_fn=parallelize_fn or _unchanged, **lightning)
 
     precision = translating(_FabricModelParallelStrategy.precision)
 
@@ -172,11 +136,6 @@ class FabricAcceleratedParallelStrategy(
         """Start the process group and build Accelerate's mesh (``device_mesh`` and ``torch_device_mesh``)."""
         self._setup_distributed()
         set_device_mesh(self, self._parallel.build_mesh(self.root_device.type))
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._parallel.sampler_kwargs()
 
     @override
     def setup_module(self, module: Module) -> Module:

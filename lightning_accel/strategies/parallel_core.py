@@ -14,16 +14,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.nn import Module
 
 from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.fsdp_core import FSDPFamily
+from lightning_accel.strategies.lightning_arguments import check_keywords
 from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision
 
 if TYPE_CHECKING:
@@ -275,15 +278,44 @@ class _OnDevices(Protocol):
     def num_processes(self) -> int: ...
 
 
+class ParallelOptions(TypedDict, total=False):
+    """``acc_parallel``'s settings besides ``parallelism_config`` (documented on the strategies in :mod:`.parallel`)."""
+
+    fsdp_plugin: FullyShardedDataParallelPlugin | None
+    tp_plan: TensorParallelPlan | None
+    strategy_name: str
+    process_group_backend: str | None
+    timeout: timedelta | None
+
+
 class ParallelFamilyAdapter:
     """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``."""
 
     _parallel: ParallelFamily
     _checkpoint_label = "acc_parallel"
+    strategy_name: str
+
+    def _adopt_family(
+        self, schema: type, parallelism_config: ParallelismConfig | None, options: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Build the strategy's :class:`ParallelFamily`; the arguments for Lightning's ``ModelParallelStrategy``."""
+        check_keywords(self, schema, options)
+        self._parallel = ParallelFamily(parallelism_config, options.get("fsdp_plugin"), options.get("tp_plan"))
+        self.strategy_name = options.get("strategy_name") or "acc_parallel"
+        return {
+            "save_distributed_checkpoint": not self._parallel.checkpoints.full_state_dict,
+            "process_group_backend": options.get("process_group_backend"),
+            "timeout": options.get("timeout", default_pg_timeout),
+        }
 
     @property
     def _sharding(self) -> FSDPFamily:
         return self._parallel.checkpoints
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The sampler's replicas and rank: the data-parallel coordinates of this process on the mesh."""
+        return self._parallel.sampler_kwargs()
 
     def _full_checkpoint_io(self) -> CheckpointIO:
         """Lightning's model-parallel strategies take no ``CheckpointIO``: full files go through torch's own."""

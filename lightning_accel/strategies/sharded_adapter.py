@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -26,6 +28,7 @@ from lightning_accel.strategies.fsdp_core import FSDPFamily, checkpoint_value, l
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies import ParallelStrategy as _FabricBase
+    from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import ParallelStrategy as _TrainerBase
 else:
     _FabricBase = _TrainerBase = object
@@ -52,6 +55,15 @@ class _Sharded:
 
 class ShardedTrainerAdapter(_Sharded, _TrainerBase):
     """Steps, resharding, state dicts and checkpoints of a sharding Trainer strategy (listed before its base)."""
+
+    def _setup_optimizers_on_shards(self, trainer: Trainer) -> None:
+        """When fitting, build the optimizers over the sharded parameters; set up the precision plugin in any stage."""
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def on_validation_end(self) -> None:

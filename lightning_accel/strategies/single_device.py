@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
 
 import torch
-from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.strategies import SingleDeviceStrategy as _FabricSingleDeviceStrategy
 from lightning.pytorch import Trainer
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy as _TrainerSingleDeviceStrategy
 from torch.nn import Module
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_accel.config import TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
-from lightning_accel.lightning_compat import get_root_device, lightning_private_members, set_root_device
+from lightning_accel.lightning_compat import lightning_private_members, set_root_device
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
+from lightning_accel.strategies.lightning_arguments import FabricPlugins, TrainerPlugins, check_keywords
 from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision, translating
 from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
+from lightning_accel.utils.memory import DeviceLike
 
 
 def _pick_device(
@@ -43,19 +42,42 @@ def _pick_device(
     return devices[0]
 
 
+class SingleDeviceOptions(TypedDict, total=False):
+    """``acc_no``'s settings besides ``device`` (documented on :class:`AcceleratedSingleDeviceStrategy`)."""
+
+    dynamo_plugin: TorchDynamoPlugin | None
+    strategy_name: str
+    checkpoint_io: CheckpointIO | None
+
+
+class TrainerSingleDeviceArgs(SingleDeviceOptions, TrainerPlugins, total=False):
+    """The keyword arguments of :class:`AcceleratedSingleDeviceStrategy`."""
+
+
+class FabricSingleDeviceArgs(SingleDeviceOptions, FabricPlugins, total=False):
+    """The keyword arguments of :class:`FabricAcceleratedSingleDeviceStrategy`."""
+
+
 class _SingleDeviceAdapter:
     """What the Trainer and Fabric ``acc_no`` strategies share (listed before Lightning's strategy in the bases)."""
 
     distributed_type = DistributedType.NO
     parallel_devices: list[torch.device] | None
 
-    def _adopt(self, strategy_name: str, dynamo_plugin: TorchDynamoPlugin | None, device_given: bool) -> None:
-        """Keep the constructor's own arguments, once Lightning has parsed the device into ``_root_device``."""
-        self._strategy_name = strategy_name
-        self._dynamo_plugin = dynamo_plugin
-        self._explicit_device: torch.device | None = get_root_device(self) if device_given else None
+    def _adopt(
+        self, schema: type, device: torch.device | str | int | None, options: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Keep the constructor's own arguments; the arguments for Lightning's ``SingleDeviceStrategy``."""
+        check_keywords(self, schema, options)
+        self._strategy_name = options.get("strategy_name") or "acc_no"
+        self._dynamo_plugin = options.get("dynamo_plugin")
+        self._explicit_device: torch.device | None = None if device is None else torch.device(device)
         # Lightning's connector fills this in with the devices it selected (see `_lazy_init_strategy`).
         self.parallel_devices = None
+        lightning = {key: value for key, value in options.items() if key not in ("strategy_name", "dynamo_plugin")}
+        if lightning.get("checkpoint_io") is None:
+            lightning["checkpoint_io"] = NamingTorchCheckpointIO()
+        return {**lightning, "device": "cpu" if device is None else device}
 
     def _configure_launcher(self) -> None:
         """Settle the device (the explicit one, else Lightning's single pick) and bind the precision to it."""
@@ -77,29 +99,15 @@ class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDevice
         device: The device to use. ``None`` takes the device the Trainer's ``accelerator``/``devices`` select.
         dynamo_plugin: ``torch.compile`` settings applied to the model at setup.
         strategy_name: The name shown in messages (set by the registry).
-        accelerator: Passed to Lightning.
-        checkpoint_io: Passed to Lightning.
-        precision_plugin: Passed to Lightning.
+        checkpoint_io: Lightning's checkpoint I/O; by default ``torch.save`` files, an unreadable one named in the
+            error.
+        **kwargs: The keyword settings above, and Lightning's ``accelerator`` and ``precision_plugin`` (the Trainer sets
+            them when left out).
 
     """
 
-    def __init__(
-        self,
-        device: torch.device | str | int | None = None,
-        *,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_no",
-        accelerator: Accelerator | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-    ) -> None:
-        super().__init__(
-            device="cpu" if device is None else device,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
-            precision_plugin=precision_plugin,
-        )
-        self._adopt(strategy_name, dynamo_plugin, device is not None)
+    def __init__(self, device: DeviceLike | None = None, **kwargs: Unpack[TrainerSingleDeviceArgs]) -> None:
+        super().__init__(**self._adopt(TrainerSingleDeviceArgs, device, kwargs))
 
     precision_plugin = translating(_TrainerSingleDeviceStrategy.precision_plugin)
 
@@ -114,23 +122,8 @@ class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDevice
 class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleDeviceStrategy, ShimStrategyDefaults):
     """Fabric twin of :class:`AcceleratedSingleDeviceStrategy` (``precision`` instead of ``precision_plugin``)."""
 
-    def __init__(
-        self,
-        device: torch.device | str | int | None = None,
-        *,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        strategy_name: str = "acc_no",
-        accelerator: FabricAccelerator | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: FabricPrecision | None = None,
-    ) -> None:
-        super().__init__(
-            device="cpu" if device is None else device,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else NamingTorchCheckpointIO(),
-            precision=precision,
-        )
-        self._adopt(strategy_name, dynamo_plugin, device is not None)
+    def __init__(self, device: DeviceLike | None = None, **kwargs: Unpack[FabricSingleDeviceArgs]) -> None:
+        super().__init__(**self._adopt(FabricSingleDeviceArgs, device, kwargs))
 
     precision = translating(_FabricSingleDeviceStrategy.precision)
 

@@ -147,10 +147,22 @@ def test_deepspeed_plugin_by_class_path() -> None:
     strategy = parse(
         "--trainer.strategy.class_path=lightning_accel.strategies.deepspeed.AcceleratedDeepSpeedStrategy",
         "--trainer.strategy.init_args.deepspeed_plugin.zero_stage=3",
+        "--trainer.strategy.init_args.load_full_weights=true",  # a keyword of its **kwargs: Unpack[...]
     ).strategy
     assert type(strategy).__name__ == "AcceleratedDeepSpeedStrategy"
     assert strategy.deepspeed_plugin.zero_stage == 3
     assert strategy.config["zero_optimization"]["stage"] == 3
+    assert strategy.load_full_weights is True
+
+
+@pytest.mark.usefixtures("undo_library_side_effects")
+def test_a_misspelled_strategy_keyword_is_refused_by_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(
+            "--trainer.strategy.class_path=lightning_accel.strategies.AcceleratedFSDPStrategy",
+            "--trainer.strategy.init_args.load_full_weights=true",
+        )
+    assert "load_full_weights" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("undo_library_side_effects")

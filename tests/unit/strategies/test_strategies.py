@@ -23,6 +23,8 @@ from lightning_accel.strategies import (
     entries,
     strategy_for,
 )
+from lightning_accel.strategies.lightning_arguments import keyword_names, takes_any_keyword
+from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 from tests.helpers import run_python
 
@@ -189,6 +191,61 @@ def test_wrong_argument_types_and_values_are_refused() -> None:
         AcceleratedDDPStrategy("MULTI_TPU")
     with pytest.raises(ValueError, match=r"DistributedType.FSDP is not a data-parallel device type"):
         AcceleratedDDPStrategy(DistributedType.FSDP)
+
+
+# Each side's own arguments: Lightning's precision plugin is `precision_plugin` on the Trainer and `precision` in
+# Fabric; Fabric's DeepSpeed takes the loop's accumulation and Fabric's ModelParallelStrategy a parallelize_fn.
+_TRAINER_ONLY = {"precision_plugin"}
+_FABRIC_ONLY = {"precision", "gradient_accumulation_steps", "parallelize_fn"}
+_TYPED = [e for e in entries() if not takes_any_keyword(e.trainer_cls)]  # acc_xla keeps Lightning's open **kwargs
+
+
+@pytest.mark.parametrize("entry", _TYPED, ids=lambda e: e.name)
+def test_trainer_and_fabric_twins_take_the_same_settings(entry: StrategyEntry) -> None:
+    trainer, fabric = keyword_names(entry.trainer_cls), keyword_names(entry.fabric_cls)
+    assert "strategy_name" in trainer
+    assert trainer - _TRAINER_ONLY == fabric - _FABRIC_ONLY
+    # acc_parallel follows Lightning's ModelParallelStrategy, which takes no accelerator or precision plugin.
+    lightning_plugins = {"accelerator", "precision_plugin"} if entry.name != "acc_parallel" else set()
+    assert trainer & {"accelerator", "precision_plugin"} == lightning_plugins
+
+
+def test_keyword_names_are_the_declared_ones() -> None:
+    assert keyword_names(AcceleratedDDPStrategy) == {
+        "distributed_type",
+        "ddp_kwargs",
+        "init_kwargs",
+        "dynamo_plugin",
+        "strategy_name",
+        "checkpoint_io",
+        "start_method",
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "precision_plugin",
+    }
+
+
+@pytest.mark.parametrize("side", ["trainer_cls", "fabric_cls"])
+@pytest.mark.parametrize("entry", [e for e in _TYPED if e.name in ("acc_no", "acc_ddp", "acc_fsdp", "acc_parallel")])
+def test_an_unknown_or_other_side_keyword_is_refused_by_name(entry: StrategyEntry, side: str) -> None:
+    cls = getattr(entry, side)
+    with pytest.raises(
+        TypeError, match=rf"{cls.__name__}\(\) got an unexpected keyword argument 'bucket_cap_mb'; it takes "
+    ):
+        cls(bucket_cap_mb=5)
+    other = "precision" if side == "trainer_cls" else "precision_plugin"
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{other}'"):
+        cls(**{other: None})
+
+
+def test_a_subclass_key_of_the_ddp_family_is_refused_by_its_sibling() -> None:
+    """``acc_fsdp`` extends the DDP strategy but does not take its ``ddp_kwargs``; Megatron-LM takes no dynamo."""
+    from lightning_accel.strategies.fsdp import AcceleratedFSDPStrategy
+
+    with pytest.raises(TypeError, match=r"AcceleratedFSDPStrategy\(\) got an unexpected keyword argument 'ddp_kwargs'"):
+        AcceleratedFSDPStrategy(ddp_kwargs=DistributedDataParallelKwargs())
+    assert "ddp_kwargs" not in keyword_names(AcceleratedFSDPStrategy)
 
 
 class _Tiny(L.LightningModule):
