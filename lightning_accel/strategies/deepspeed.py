@@ -89,8 +89,14 @@ __all__ = [
 
 
 class _OnDevices(Protocol):
+    _family: DeepSpeedFamily
+    _lightning_deepspeed: type
+
     @property
     def parallel_devices(self) -> list[torch.device] | None: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
 
 
 class DeepSpeedOptions(TypedDict, total=False):
@@ -151,6 +157,14 @@ class _DeepSpeedFamilyAdapter:
         bind_precision(strategy_precision(self), self.parallel_devices)  # refuses fp8 where it cannot run
         super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
 
+    def setup_environment(self: _OnDevices) -> None:
+        """Check and claim the devices (CPU ones too), then Lightning's setup past its DeepSpeed class.
+
+        That class's only addition here is refusing every accelerator but CUDA.
+        """
+        self._family.prepare_devices(self.parallel_devices, self.root_device)
+        super(self._lightning_deepspeed, self).setup_environment()  # type: ignore[arg-type]
+
 
 @lightning_private_members(
     "_configure_launcher",
@@ -208,6 +222,7 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
     #: it reaches the accumulation boundary, where ZeRO replaces the gradients it reduced since the last boundary.
     #: Callbacks that skip the context to sync each batch must keep it here (ZeRO 2/3 reduce every micro-batch anyway).
     marks_step_boundary = True
+    _lightning_deepspeed = _TrainerDeepSpeedStrategy
 
     def __init__(self, deepspeed_plugin: DeepSpeedPlugin | None = None, **kwargs: Unpack[TrainerDeepSpeedArgs]) -> None:
         super().__init__(**self._adopt_family(TrainerDeepSpeedArgs, deepspeed_plugin, kwargs))
@@ -221,12 +236,6 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
         return read_checkpoint_file(checkpoint_path, lambda path: parent(path, weights_only))
 
     precision_plugin = deepspeed_translating(_TrainerDeepSpeedStrategy.precision_plugin, TrainerDeepSpeedPrecision)
-
-    @override
-    def setup_environment(self) -> None:
-        self._family.prepare_devices(self.parallel_devices, self.root_device)
-        # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
-        super(_TrainerDeepSpeedStrategy, self).setup_environment()
 
     @override
     def setup_distributed(self) -> None:
@@ -416,6 +425,7 @@ class FabricAcceleratedDeepSpeedStrategy(
     #: The engine accumulates and steps inside ``backward``, and ``no_backward_sync`` is its step signal.
     engine_steps_in_backward = True
     marks_step_boundary = True
+    _lightning_deepspeed = _FabricDeepSpeedStrategy
 
     def __init__(self, deepspeed_plugin: DeepSpeedPlugin | None = None, **kwargs: Unpack[FabricDeepSpeedArgs]) -> None:
         lightning = self._adopt_family(FabricDeepSpeedArgs, deepspeed_plugin, kwargs)
@@ -503,12 +513,6 @@ class FabricAcceleratedDeepSpeedStrategy(
     def checkpoint_engine(self) -> EngineCheckpoint | None:
         """DeepSpeed writes ``save_state``'s models and optimizers itself (its tagged checkpoint folders)."""
         return DeepSpeedCheckpoint()
-
-    @override
-    def setup_environment(self) -> None:
-        self._family.prepare_devices(self.parallel_devices, self.root_device)
-        # Skips Lightning's DeepSpeed class, whose only addition here is refusing non-CUDA accelerators.
-        super(_FabricDeepSpeedStrategy, self).setup_environment()
 
     @override
     def _setup_distributed(self) -> None:
