@@ -13,7 +13,10 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_accel.accelerator import Accelerator
 
 __all__ = ["add_test_parser", "run_checks"]
 
@@ -49,7 +52,7 @@ def _run_test(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- what each process checks
 
 
-def _check_processes(accelerator: Any) -> str:
+def _check_processes(accelerator: Accelerator) -> str:
     import torch
 
     ranks = accelerator.gather(torch.tensor([accelerator.process_index], device=accelerator.device)).tolist()
@@ -58,7 +61,7 @@ def _check_processes(accelerator: Any) -> str:
     return f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, on {accelerator.device}"
 
 
-def _check_data(accelerator: Any) -> str:
+def _check_data(accelerator: Accelerator) -> str:
     """An uneven dataset: the last batch wraps around on some processes; ``gather_for_metrics`` drops the copies."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -99,7 +102,7 @@ def _reference_weights(num_processes: int) -> dict[str, Any]:
     return {name: value.detach() for name, value in model.state_dict().items()}
 
 
-def _check_training(accelerator: Any) -> str:
+def _check_training(accelerator: Accelerator) -> str:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 

@@ -690,7 +690,7 @@ def ensure_weights_retied(param_init_fn: Any, model: torch.nn.Module, device: to
 def save_fsdp_model(
     fsdp_plugin: Any,
     accelerator: Any,
-    model: Any,
+    model: torch.nn.Module,
     output_dir: str | os.PathLike[str],
     model_index: int = 0,
     adapter_only: bool = False,
@@ -720,7 +720,7 @@ def save_fsdp_model(
 def load_fsdp_model(
     fsdp_plugin: Any,
     accelerator: Any,
-    model: Any,
+    model: torch.nn.Module,
     input_dir: str | os.PathLike[str],
     model_index: int = 0,
     adapter_only: bool = False,
@@ -749,8 +749,8 @@ def load_fsdp_model(
 def save_fsdp_optimizer(
     fsdp_plugin: Any,
     accelerator: Any,
-    optimizer: Any,
-    model: Any,
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
     output_dir: str | os.PathLike[str],
     optimizer_index: int = 0,
     use_dcp: bool = True,
@@ -770,8 +770,8 @@ def save_fsdp_optimizer(
 def load_fsdp_optimizer(
     fsdp_plugin: Any,
     accelerator: Any,
-    optimizer: Any,
-    model: Any,
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
     input_dir: str | os.PathLike[str],
     optimizer_index: int = 0,
     adapter_only: bool = False,
