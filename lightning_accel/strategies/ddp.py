@@ -61,7 +61,7 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
     """
 
     def __init__(self, distributed_type: DistributedType | str | None = None, **kwargs: Unpack[TrainerDDPArgs]) -> None:
-        super().__init__(**self._adopt_family(TrainerDDPArgs, distributed_type, kwargs))
+        super().__init__(**self._adopt_family(distributed_type, kwargs))
 
     precision_plugin = translating(_TrainerDDPStrategy.precision_plugin)
 
@@ -99,7 +99,7 @@ class FabricAcceleratedDDPStrategy(ProcessGroupShards, DDPFamilyAdapter, _Fabric
     joins_uneven_inputs = True
 
     def __init__(self, distributed_type: DistributedType | str | None = None, **kwargs: Unpack[FabricDDPArgs]) -> None:
-        super().__init__(**self._adopt_family(FabricDDPArgs, distributed_type, kwargs))
+        super().__init__(**self._adopt_family(distributed_type, kwargs))
 
     precision = translating(_FabricDDPStrategy.precision)
 

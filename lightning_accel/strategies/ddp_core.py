@@ -204,10 +204,10 @@ class DDPFamilyAdapter:
         return self._family.distributed_type
 
     def _adopt_family(
-        self, schema: type, distributed_type: DistributedType | str | None, options: Mapping[str, Any]
+        self, distributed_type: DistributedType | str | None, options: Mapping[str, Any]
     ) -> dict[str, Any]:
         """Build the strategy's :class:`DDPFamily` from ``options``; the arguments for Lightning's ``DDPStrategy``."""
-        check_keywords(self, schema, options)
+        check_keywords(self, options)
         own = {key: options.get(key) for key in _FAMILY_KEYS}
         self._family = DDPFamily(
             own["strategy_name"] or "acc_ddp",

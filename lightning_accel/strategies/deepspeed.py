@@ -132,9 +132,9 @@ class _DeepSpeedFamilyAdapter:
 
     _family: DeepSpeedFamily
 
-    def _adopt_family(self, schema: type, plugin: DeepSpeedPlugin | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    def _adopt_family(self, plugin: DeepSpeedPlugin | None, options: Mapping[str, Any]) -> dict[str, Any]:
         """Build the strategy's :class:`DeepSpeedFamily`; the arguments for Lightning's ``DeepSpeedStrategy``."""
-        check_keywords(self, schema, options)
+        check_keywords(self, options)
         name = options.get("strategy_name") or "acc_deepspeed"
         self._family = DeepSpeedFamily(name, plugin, options.get("plugin_fields"), options.get("dynamo_plugin"))
         lightning = {key: value for key, value in options.items() if key not in _FAMILY_KEYS}
@@ -225,7 +225,7 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
     _lightning_deepspeed = _TrainerDeepSpeedStrategy
 
     def __init__(self, deepspeed_plugin: DeepSpeedPlugin | None = None, **kwargs: Unpack[TrainerDeepSpeedArgs]) -> None:
-        super().__init__(**self._adopt_family(TrainerDeepSpeedArgs, deepspeed_plugin, kwargs))
+        super().__init__(**self._adopt_family(deepspeed_plugin, kwargs))
         self._engine: Any = None  # the engine the last entry point built, released by the next one
         self.checkpoint_io = NamingTorchCheckpointIO()  # a full-weights file that cannot be read is named
 
@@ -428,7 +428,7 @@ class FabricAcceleratedDeepSpeedStrategy(
     _lightning_deepspeed = _FabricDeepSpeedStrategy
 
     def __init__(self, deepspeed_plugin: DeepSpeedPlugin | None = None, **kwargs: Unpack[FabricDeepSpeedArgs]) -> None:
-        lightning = self._adopt_family(FabricDeepSpeedArgs, deepspeed_plugin, kwargs)
+        lightning = self._adopt_family(deepspeed_plugin, kwargs)
         self._accumulation = _loop_accumulation(self._family.config, kwargs.get("gradient_accumulation_steps"))
         super().__init__(**lightning)
         set_backward_sync_control(self, ContextBackwardSync(self._family.no_sync))

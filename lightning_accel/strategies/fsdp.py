@@ -74,7 +74,7 @@ class AcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedTrainerAdapter, Accelera
     def __init__(
         self, fsdp_plugin: FullyShardedDataParallelPlugin | None = None, **kwargs: Unpack[TrainerFSDPArgs]
     ) -> None:
-        super().__init__(**self._adopt_fsdp(TrainerFSDPArgs, fsdp_plugin, kwargs))
+        super().__init__(**self._adopt_fsdp(fsdp_plugin, kwargs))
         self._sharded_model: Module | None = None
 
     @property
@@ -173,7 +173,7 @@ class FabricAcceleratedFSDPStrategy(FSDPFamilyAdapter, ShardedFabricAdapter, Fab
     def __init__(
         self, fsdp_plugin: FullyShardedDataParallelPlugin | None = None, **kwargs: Unpack[FabricFSDPArgs]
     ) -> None:
-        super().__init__(**self._adopt_fsdp(FabricFSDPArgs, fsdp_plugin, kwargs))
+        super().__init__(**self._adopt_fsdp(fsdp_plugin, kwargs))
         set_backward_sync_control(self, ContextBackwardSync(self._fsdp.no_sync))
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()
 

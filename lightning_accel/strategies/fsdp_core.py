@@ -26,7 +26,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.ddp_core import ProcessGroupOptions
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
-from lightning_accel.strategies.lightning_arguments import StartMethod, check_keywords
+from lightning_accel.strategies.lightning_arguments import StartMethod
 from lightning_accel.strategies.precision_bridge import strategy_precision
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
 from lightning_accel.utils.modeling.checkpoint import METADATA_FILENAME, is_sharded_checkpoint, read_checkpoint_file
@@ -373,10 +373,9 @@ class FSDPFamilyAdapter:
     _checkpoint_label = "acc_fsdp"
 
     def _adopt_fsdp(
-        self, schema: type, fsdp_plugin: FullyShardedDataParallelPlugin | None, options: Mapping[str, Any]
+        self, fsdp_plugin: FullyShardedDataParallelPlugin | None, options: Mapping[str, Any]
     ) -> dict[str, Any]:
         """Build the strategy's :class:`FSDPFamily`; the arguments for the DDP strategy it extends."""
-        check_keywords(self, schema, options)
         self._fsdp = FSDPFamily(fsdp_plugin, options.get("dynamo_plugin"))
         return {"strategy_name": "acc_fsdp", **{key: value for key, value in options.items() if key != "dynamo_plugin"}}
 

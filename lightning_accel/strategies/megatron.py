@@ -39,7 +39,6 @@ from lightning_accel.strategies.lightning_arguments import (
     FabricPlugins,
     ParallelArguments,
     TrainerPlugins,
-    check_keywords,
 )
 from lightning_accel.strategies.megatron_core import MegatronFamily, clip_grad_norm_across_tensor_parallel
 from lightning_accel.strategies.registry import StrategyEntry
@@ -74,11 +73,8 @@ class _MegatronMembers:
 
     _megatron: MegatronFamily
 
-    def _adopt_megatron(
-        self, schema: type, plugin: MegatronLMPlugin | None, options: Mapping[str, Any]
-    ) -> dict[str, Any]:
+    def _adopt_megatron(self, plugin: MegatronLMPlugin | None, options: Mapping[str, Any]) -> dict[str, Any]:
         """Build the strategy's :class:`MegatronFamily`; the arguments for the DDP strategy it extends."""
-        check_keywords(self, schema, options)
         self._megatron = MegatronFamily(plugin, options.get("ddp_kwargs"))
         return {"strategy_name": "acc_megatron_lm", **options}
 
@@ -139,7 +135,7 @@ class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
     def __init__(
         self, megatron_lm_plugin: MegatronLMPlugin | None = None, **kwargs: Unpack[TrainerMegatronArgs]
     ) -> None:
-        super().__init__(**self._adopt_megatron(TrainerMegatronArgs, megatron_lm_plugin, kwargs))
+        super().__init__(**self._adopt_megatron(megatron_lm_plugin, kwargs))
 
     @override
     def setup_distributed(self) -> None:
@@ -210,7 +206,7 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
     def __init__(
         self, megatron_lm_plugin: MegatronLMPlugin | None = None, **kwargs: Unpack[FabricMegatronArgs]
     ) -> None:
-        super().__init__(**self._adopt_megatron(FabricMegatronArgs, megatron_lm_plugin, kwargs))
+        super().__init__(**self._adopt_megatron(megatron_lm_plugin, kwargs))
         self._megatron_modules: list[Module] = []
 
     @override

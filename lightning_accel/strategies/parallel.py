@@ -70,7 +70,7 @@ class AcceleratedParallelStrategy(ParallelFamilyAdapter, ShardedTrainerAdapter, 
     """
 
     def __init__(self, parallelism_config: ParallelismConfig | None = None, **kwargs: Unpack[ParallelOptions]) -> None:
-        super().__init__(**self._adopt_family(ParallelOptions, parallelism_config, kwargs))
+        super().__init__(**self._adopt_family(parallelism_config, kwargs))
         self._parallelized: Module | None = None
 
     precision_plugin = translating(_TrainerModelParallelStrategy.precision_plugin)
@@ -126,7 +126,7 @@ class FabricAcceleratedParallelStrategy(
         parallelize_fn = kwargs.pop("parallelize_fn", None)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"`parallelize_fn` must be callable(module, device_mesh), got {parallelize_fn!r}.")
-        lightning = self._adopt_family(FabricParallelArgs, parallelism_config, kwargs)
+        lightning = self._adopt_family(parallelism_config, kwargs)
         super().__init__(parallelize_fn=parallelize_fn or _unchanged, **lightning)
 
     precision = translating(_FabricModelParallelStrategy.precision)

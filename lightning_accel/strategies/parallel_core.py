@@ -295,11 +295,9 @@ class ParallelFamilyAdapter:
     _checkpoint_label = "acc_parallel"
     strategy_name: str
 
-    def _adopt_family(
-        self, schema: type, parallelism_config: ParallelismConfig | None, options: Mapping[str, Any]
-    ) -> dict[str, Any]:
+    def _adopt_family(self, parallelism_config: ParallelismConfig | None, options: Mapping[str, Any]) -> dict[str, Any]:
         """Build the strategy's :class:`ParallelFamily`; the arguments for Lightning's ``ModelParallelStrategy``."""
-        check_keywords(self, schema, options)
+        check_keywords(self, options)
         self._parallel = ParallelFamily(parallelism_config, options.get("fsdp_plugin"), options.get("tp_plan"))
         self.strategy_name = options.get("strategy_name") or "acc_parallel"
         return {

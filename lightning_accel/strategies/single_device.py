@@ -64,11 +64,9 @@ class _SingleDeviceAdapter:
     distributed_type = DistributedType.NO
     parallel_devices: list[torch.device] | None
 
-    def _adopt(
-        self, schema: type, device: torch.device | str | int | None, options: Mapping[str, Any]
-    ) -> dict[str, Any]:
+    def _adopt(self, device: DeviceLike | None, options: Mapping[str, Any]) -> dict[str, Any]:
         """Keep the constructor's own arguments; the arguments for Lightning's ``SingleDeviceStrategy``."""
-        check_keywords(self, schema, options)
+        check_keywords(self, options)
         self._strategy_name = options.get("strategy_name") or "acc_no"
         self._dynamo_plugin = options.get("dynamo_plugin")
         self._explicit_device: torch.device | None = None if device is None else torch.device(device)
@@ -107,7 +105,7 @@ class AcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _TrainerSingleDevice
     """
 
     def __init__(self, device: DeviceLike | None = None, **kwargs: Unpack[TrainerSingleDeviceArgs]) -> None:
-        super().__init__(**self._adopt(TrainerSingleDeviceArgs, device, kwargs))
+        super().__init__(**self._adopt(device, kwargs))
 
     precision_plugin = translating(_TrainerSingleDeviceStrategy.precision_plugin)
 
@@ -123,7 +121,7 @@ class FabricAcceleratedSingleDeviceStrategy(_SingleDeviceAdapter, _FabricSingleD
     """Fabric twin of :class:`AcceleratedSingleDeviceStrategy` (``precision`` instead of ``precision_plugin``)."""
 
     def __init__(self, device: DeviceLike | None = None, **kwargs: Unpack[FabricSingleDeviceArgs]) -> None:
-        super().__init__(**self._adopt(FabricSingleDeviceArgs, device, kwargs))
+        super().__init__(**self._adopt(device, kwargs))
 
     precision = translating(_FabricSingleDeviceStrategy.precision)
 

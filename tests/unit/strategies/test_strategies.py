@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import timedelta
+from typing import Any
 
 import lightning as L
 import pytest
@@ -246,6 +247,20 @@ def test_a_subclass_key_of_the_ddp_family_is_refused_by_its_sibling() -> None:
     with pytest.raises(TypeError, match=r"AcceleratedFSDPStrategy\(\) got an unexpected keyword argument 'ddp_kwargs'"):
         AcceleratedFSDPStrategy(ddp_kwargs=DistributedDataParallelKwargs())
     assert "ddp_kwargs" not in keyword_names(AcceleratedFSDPStrategy)
+
+
+def test_a_user_subclass_passing_plain_kwargs_on_keeps_the_parent_keywords_and_refusal() -> None:
+    """A subclass as Lightning users write them: its own argument, the rest forwarded as plain ``**kwargs``."""
+
+    class LabelledDDP(AcceleratedDDPStrategy):
+        def __init__(self, label: str = "run", **kwargs: Any) -> None:
+            self.label = label
+            super().__init__(**kwargs)
+
+    strategy = LabelledDDP("mine", ddp_kwargs=DistributedDataParallelKwargs(bucket_cap_mb=5))
+    assert (strategy.label, strategy._ddp_kwargs["bucket_cap_mb"]) == ("mine", 5)
+    with pytest.raises(TypeError, match=r"LabelledDDP\(\) got an unexpected keyword argument 'bucket_cap_mb'"):
+        LabelledDDP(bucket_cap_mb=5)
 
 
 class _Tiny(L.LightningModule):
