@@ -137,12 +137,12 @@ def test_release_memory_and_unwrapping() -> None:
 def test_get_logger_logs_on_the_main_process_only(caplog: pytest.LogCaptureFixture) -> None:
     logger = get_logger("lightning_accel.test", log_level="INFO")
     with caplog.at_level(logging.INFO, logger="lightning_accel.test"):
-        logger.info("from main")
         state = PartialState()
+        logger.info("from main")
         state._configure(state.distributed_type, state.device, num_processes=2, process_index=1, local_index=1)
         logger.info("hidden")
         logger.info("shown everywhere", main_process_only=False)
-    assert [r.getMessage() for r in caplog.records] == ["from main", "shown everywhere"]
+    assert [r.getMessage() for r in caplog.records] == ["[RANK 0] from main", "[RANK 1] shown everywhere"]
     with pytest.raises(ValueError, match="LOUD"):
         get_logger("x", log_level="LOUD")
 
