@@ -29,6 +29,7 @@ from lightning_accel.checkpoint.folders import (
     publish,
     remove_stale,
     rotate,
+    stage,
 )
 from lightning_accel.checkpoint.loaders import loader_positions, save_loader_states
 from lightning_accel.checkpoint.node_copies import complete_on_each_node
@@ -36,7 +37,7 @@ from lightning_accel.checkpointing import accelerate_sampler, save_custom_state,
 from lightning_accel.checkpointing import save_model as write_model_files
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.lightning_compat import fabric_forward_module
-from lightning_accel.state.shared_errors import raise_on_every_process, run_where
+from lightning_accel.state.shared_errors import raise_on_every_process, require_every_process, run_where
 from lightning_accel.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
 from lightning_accel.utils.modeling.offloaded import get_state_dict_offloaded_model, has_offloaded_params
 from lightning_accel.utils.other import extract_model_from_parallel, save
@@ -174,6 +175,7 @@ class CheckpointControl:
             return dict(self.fabric.strategy.get_module_state_dict(fabric_forward_module(model)))
         engine = self._strategy.checkpoint_engine()
         if engine is not None:
+            require_every_process("get_state_dict", self._why_collective())
             return engine.full_state_dict(model, self._models)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from torch.distributed.tensor import DTensor
@@ -182,6 +184,8 @@ class CheckpointControl:
         if any(has_offloaded_params(m) for m in module.modules()):  # big-model hooks keep weights on meta/disk
             return get_state_dict_offloaded_model(module)
         sharded = any(isinstance(p, DTensor) for p in module.parameters())
+        if sharded:
+            require_every_process("get_state_dict", "its weights are sharded DTensors, gathered over every process")
         options = StateDictOptions(full_state_dict=True, cpu_offload=sharded)  # torch gathers for any parallelism
         return dict(get_model_state_dict(module, options=options))
 
@@ -204,14 +208,18 @@ class CheckpointControl:
 
         """
         check_save_model_arguments(model, save_directory, max_shard_size, safe_serialization)
-        state = self.get_state_dict(model)  # collective under sharded engines
+        sharded = self._strategy.checkpoint_engine() is not None
+        state = self.get_state_dict(model)  # collective under sharded engines only
 
         def write() -> None:
             write_model_files(
                 state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
             )
 
-        run_where(self.is_main_process, write, "save_model")
+        if sharded:
+            run_where(self.is_main_process, write, "save_model")
+        elif self.is_main_process:  # replicated weights: callable from the main process alone, as Accelerate's
+            write()
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """Save ``obj`` once (per node with ``save_on_each_node``); see :func:`lightning_accel.utils.other.save`."""
@@ -229,15 +237,57 @@ class CheckpointControl:
         ``save_model_func_kwargs`` go to DeepSpeed's ``save_checkpoint``. Returns the checkpoint directory. See
         :func:`lightning_accel.checkpointing.save_state`.
 
-        Unlike Accelerate's, the save is atomic: the main process chooses the folder and tells the others, everyone
-        writes into ``.<name>.incomplete`` beside it, and the folder gets its name once every process is done (on
-        each node's disk with ``save_on_each_node``); old folders are rotated out only then. See
-        :mod:`lightning_accel.checkpoint.folders`. With ``save_on_each_node`` on node-local disks, each node
-        is first sent the files it lacks (other nodes' shards, the metadata written on the main process only), so
-        every node's folder is a whole checkpoint; see :mod:`lightning_accel.checkpoint.node_copies`. A process that
-        names another ``output_dir`` than the main process's also gets its own random states and loader states there,
-        as Accelerate has every process write them.
+        Where the state is replicated (one device, DDP), it is Accelerate's call from any subset of the processes:
+        nothing waits for another process, so ``if accelerator.is_main_process: accelerator.save_state(dir)`` works;
+        the main process (each node's with ``save_on_each_node``) writes the shared files, every calling process its
+        random states. Where each process holds a shard (FSDP, DeepSpeed), every process must call it; one that does
+        not is named in an error within the process group's timeout, instead of a hang.
+
+        Unlike Accelerate's, the save is atomic: files are written into ``.<name>.incomplete`` beside the folder,
+        which gets its name once complete; old folders are rotated out only then. See
+        :mod:`lightning_accel.checkpoint.folders`. With ``save_on_each_node`` on node-local disks and a sharded
+        state, each node is first sent the files it lacks (other nodes' shards, the metadata written on the main
+        process only), so every node's folder is a whole checkpoint; see :mod:`lightning_accel.checkpoint.node_copies`.
+        A process that names another ``output_dir`` than the main process's gets its own random states and loader
+        states there, as Accelerate has every process write them.
         """
+        engine = self._engine(save_model_func_kwargs)
+        if engine is None:
+            return self._save_replicated(output_dir, safe_serialization)
+        require_every_process("save_state", self._why_collective())
+        return self._save_sharded(engine, output_dir, safe_serialization, save_model_func_kwargs)
+
+    def _save_replicated(self, output_dir: str | os.PathLike[str] | None, safe_serialization: bool) -> str:
+        """``save_state`` without a collective: the publisher writes and publishes, the others stage their files."""
+        config = self.project_configuration
+        publisher = self.is_local_main_process if config.save_on_each_node else self.is_main_process
+        final = state_files.choose_target(config, output_dir, refuse_existing=publisher)
+        target = SaveTarget(final, publisher=0 if self.is_main_process else self.process_index)
+        if publisher:
+            remove_stale(target)
+            self._write_shared_files(target.temporary, None, safe_serialization)
+            self._write_process_states(target.temporary)
+            publish(target)
+            if config.automatic_checkpoint_naming:
+                rotate(final.parent, config.total_limit)
+        else:
+            stage(
+                target,
+                self.process_index,
+                own=self._write_process_states,
+                defaults=lambda folder: save_loader_states(self._dataloaders, folder),
+            )
+        config.iteration += 1
+        return str(final)
+
+    def _save_sharded(
+        self,
+        engine: EngineCheckpoint,
+        output_dir: str | os.PathLike[str] | None,
+        safe_serialization: bool,
+        engine_kwargs: dict[str, Any],
+    ) -> str:
+        """``save_state`` of a sharded engine: collective; the main process chooses the folder and publishes it."""
         config = self.project_configuration
         chosen: list[Any] = [None, None]
         if self.is_main_process:
@@ -249,7 +299,15 @@ class CheckpointControl:
         raise_on_every_process(chosen[1], "save_state")  # the broadcast already reached every process
         target = SaveTarget(Path(chosen[0]))
         self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
-        self._write_state(target.temporary, safe_serialization, **save_model_func_kwargs)
+        target.temporary.mkdir(parents=True, exist_ok=True)
+        engine.save(self._models, self._optimizers, target.temporary, **engine_kwargs)
+        self.wait_for_everyone()
+        writer = self.is_local_main_process if config.save_on_each_node else self.is_main_process
+        if writer:
+            self._write_shared_files(target.temporary, engine, safe_serialization)
+        self._write_process_states(target.temporary)
+        self.wait_for_everyone()
+        config.iteration += 1
         if config.save_on_each_node:  # node-local disks: each node gets the files (shards, metadata) it lacks
             complete_on_each_node(target.temporary, node_manager=self.is_local_main_process, what="save_state")
         self._on_disk_managers(lambda: publish(target), "save_state (publishing the checkpoint)")
@@ -258,36 +316,26 @@ class CheckpointControl:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
         return str(target.final)
 
-    def _write_state(self, folder: Path, safe_serialization: bool, **engine_kwargs: Any) -> None:
-        """Write ``save_state``'s files into ``folder`` (chosen, then published, by the caller); collective."""
-        engine = self._engine(engine_kwargs)
+    def _write_shared_files(self, folder: Path, engine: EngineCheckpoint | None, safe_serialization: bool) -> None:
+        """The files one process writes: the weights and optimizers (unless an engine wrote them), the rest."""
         folder.mkdir(parents=True, exist_ok=True)
-        if engine is not None:
-            engine.save(self._models, self._optimizers, folder, **engine_kwargs)
-            self.wait_for_everyone()
-        save_on_each_node = self.project_configuration.save_on_each_node
-        writer = self.is_local_main_process if save_on_each_node else self.is_main_process
-        if writer:
-            # The users' modules, without the strategy's wrapper; an engine saved its own (hooks get none).
-            weights = [model.state_dict() for model in self._models] if engine is None else []
-            user_models = [model.module for model in self._models]  # hooks see the users' modules, as Accelerate's
-            for hook in list(self._save_state_pre_hooks.values()):
-                hook(user_models, weights, str(folder))  # a hook may pop entries to save them its own way
-            state_files.write_shared_files(
-                folder,
-                weights,
-                self._optimizers if engine is None else [],
-                self._schedulers,
-                self._dataloaders,
-                self.scaler,
-                safe_serialization,
-                accelerate_sampler,
-            )
-            for i, obj in enumerate(self._custom_objects):
-                save_custom_state(obj, folder, i, save_on_each_node)
-        self._write_process_states(folder)
-        self.wait_for_everyone()
-        self.project_configuration.iteration += 1
+        # The users' modules, without the strategy's wrapper; an engine saved its own (hooks get none).
+        weights = [model.state_dict() for model in self._models] if engine is None else []
+        user_models = [model.module for model in self._models]  # hooks see the users' modules, as Accelerate's
+        for hook in list(self._save_state_pre_hooks.values()):
+            hook(user_models, weights, str(folder))  # a hook may pop entries to save them its own way
+        state_files.write_shared_files(
+            folder,
+            weights,
+            self._optimizers if engine is None else [],
+            self._schedulers,
+            self._dataloaders,
+            self.scaler,
+            safe_serialization,
+            accelerate_sampler,
+        )
+        for i, obj in enumerate(self._custom_objects):
+            save_custom_state(obj, folder, i, self.project_configuration.save_on_each_node)
 
     def _write_process_states(self, folder: Path) -> None:
         state_files.write_process_states(folder, self.process_index, self.step, loader_positions(self._dataloaders))
@@ -322,6 +370,9 @@ class CheckpointControl:
                 )
             _refuse_sharded(list(self._models))
         return engine
+
+    def _why_collective(self) -> str:
+        return f"under {self.distributed_type} each process holds a shard of the state"
 
     def _on_disk_managers(self, action: Callable[[], None], what: str) -> None:
         other_node_manager = (
@@ -368,6 +419,8 @@ class CheckpointControl:
         if missing_ok and not self._has_checkpoint(input_dir):
             return None
         engine = self._engine(load_model_func_kwargs)
+        if engine is not None:
+            require_every_process("load_state", self._why_collective())
         config = self.project_configuration
         source = state_files.latest_source(config, input_dir)
         models = list(self._models) if engine is None else []  # an engine loads its models itself
@@ -393,7 +446,7 @@ class CheckpointControl:
     def _load_process_states(self, source: Path, load_kwargs: dict[str, Any]) -> None:
         """Restore this process's random states, its loaders' positions and stateful states, and the step counter."""
         state_files.load_samplers(self._dataloaders, source, accelerate_sampler)
-        hint = " (was the run saved by fewer processes?)"
+        hint = " (was the run saved by fewer processes, or did only some of its processes call save_state?)"
         states = state_files.load_process_states(source, self.process_index, self._dataloaders, hint, **load_kwargs)
         if states is not None:
             self.step = int(states.get("step", 0))

@@ -6,14 +6,23 @@ finished does it get its real name, with one ``rename``. A save killed half-way 
 entry that no loader lists (:func:`numbered_checkpoints` matches ``checkpoint_<i>`` only) and that the next save
 removes; the previous checkpoints are untouched, since rotation deletes them only after the rename.
 
-The destination is chosen once, by the main process, and broadcast, so every process writes into the same folder
-even if their views of the disk or of the save counter differ. With ``save_on_each_node`` each node's disk is
-published by its own local main process (:func:`on_disk_managers`); :mod:`lightning_accel.checkpoint.node_copies`
-first completes each node's temporary folder.
+Where every process holds a shard of the state (FSDP, DeepSpeed), the destination is chosen once, by the main
+process, and broadcast, so every process writes into the same folder even if their views of the disk or of the save
+counter differ. With ``save_on_each_node`` each node's disk is published by its own local main process
+(:func:`on_disk_managers`); :mod:`lightning_accel.checkpoint.node_copies` first completes each node's temporary
+folder.
+
+Where the state is replicated (one device, DDP), a save may come from one process alone (as Accelerate allows:
+``if accelerator.is_main_process: accelerator.save_state(...)``), so nothing waits for another process: the process
+that writes the shared files publishes the folder by itself, and every other process that saves puts its own files
+into a staging sibling (:func:`stage`, ``.checkpoint_3.process_1.incomplete``), which it hands in once the
+checkpoint exists, or which the publisher takes in when it publishes (:func:`publish`). Whichever of the two comes
+second finds the other's work done, so no file is lost and nobody waits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -32,11 +41,13 @@ __all__ = [
     "remove_incomplete",
     "remove_stale",
     "rotate",
+    "stage",
 ]
 
 _INCOMPLETE_SUFFIX = ".incomplete"
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
-_INCOMPLETE = re.compile(r"^\.checkpoint_(\d+)\.incomplete$")
+_INCOMPLETE = re.compile(r"^\.checkpoint_(\d+)(\.(process|publisher)_\d+)?\.incomplete(\.writing)?$")
+_DEFAULTS = "defaults"  # a staged subfolder: files that never replace the publisher's
 
 
 @dataclass(frozen=True)
@@ -44,11 +55,22 @@ class SaveTarget:
     """Where one save writes (``temporary``) and what the checkpoint is called once complete (``final``)."""
 
     final: Path
+    publisher: int = 0  # the process index of another node's publisher (save_on_each_node, replicated state)
 
     @property
     def temporary(self) -> Path:
-        """The hidden sibling written first: ``<parent>/.<name>.incomplete``."""
-        return self.final.parent / f".{self.final.name}{_INCOMPLETE_SUFFIX}"
+        """The hidden sibling written first: ``<parent>/.<name>.incomplete`` (``.<name>.publisher_<i>.incomplete``)."""
+        own = f".publisher_{self.publisher}" if self.publisher else ""
+        return self.final.parent / f".{self.final.name}{own}{_INCOMPLETE_SUFFIX}"
+
+    def staging(self, process_index: int) -> Path:
+        """Where another process's own files wait for the checkpoint: ``<parent>/.<name>.process_<i>.incomplete``."""
+        return self.final.parent / f".{self.final.name}.process_{process_index}{_INCOMPLETE_SUFFIX}"
+
+    def staged(self) -> list[Path]:
+        """The staging siblings that processes have finished writing (see :func:`stage`)."""
+        pattern = f".{self.final.name}.process_*{_INCOMPLETE_SUFFIX}"
+        return sorted(path for path in self.final.parent.glob(pattern) if path.is_dir())
 
 
 def numbered_checkpoints(root: str | os.PathLike[str], *, folders_only: bool = True) -> list[tuple[int, Path]]:
@@ -97,15 +119,60 @@ def publish(target: SaveTarget) -> None:
 
     A new checkpoint appears with one ``rename``. An existing folder (an ``output_dir`` that may hold files of the
     user's) is updated entry by entry, each with an atomic ``os.replace``, and the temporary folder removed.
+    Then the files other processes staged for this checkpoint (:func:`stage`) are taken in.
     """
     temporary, final = target.temporary, target.final
-    if not temporary.exists():
-        return
-    if temporary.is_dir() and final.is_dir():
-        _merge(temporary, final)
-    else:
-        os.rename(temporary, final)
+    if temporary.exists():
+        if temporary.is_dir() and final.is_dir():
+            _merge(temporary, final)
+        else:
+            try:
+                os.rename(temporary, final)
+            except OSError:  # another publisher of this disk named it first (save_on_each_node on shared storage)
+                if not (temporary.is_dir() and final.is_dir()):
+                    raise
+                _merge(temporary, final)
+    if final.is_dir():
+        for staged in target.staged():
+            _hand_in(staged, final)
     _fsync_directory(final.parent)
+
+
+def stage(
+    target: SaveTarget, process_index: int, own: Callable[[Path], None], defaults: Callable[[Path], None]
+) -> None:
+    """Save a process's files for a checkpoint that another process publishes, without waiting for it.
+
+    ``own(folder)`` writes the files that belong to this process alone (its random states): they replace any file of
+    that name. ``defaults(folder)`` writes files the publisher may write too (a loader's state): they are kept only
+    where the checkpoint has none, so on shared storage the publisher's stay. The files are written into a hidden
+    folder, which becomes the staging sibling with one ``rename``; if the checkpoint is published already they are
+    handed in at once, else the publisher takes them in (:func:`publish`).
+    """
+    staged = target.staging(process_index)
+    writing = staged.with_name(staged.name + ".writing")
+    for leftover in (writing, staged):
+        if leftover.exists():
+            remove_entry(leftover)
+    (writing / _DEFAULTS).mkdir(parents=True)
+    own(writing)
+    defaults(writing / _DEFAULTS)
+    os.rename(writing, staged)
+    if target.final.is_dir():
+        _hand_in(staged, target.final)
+
+
+def _hand_in(staged: Path, final: Path) -> None:
+    """Move a staging folder's files into the published checkpoint (a no-op for files another process moved)."""
+    with contextlib.suppress(FileNotFoundError):
+        for entry in sorted(staged.iterdir()):
+            if entry.name != _DEFAULTS:
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(entry, final / entry.name)
+        for entry in sorted((staged / _DEFAULTS).iterdir()):
+            with contextlib.suppress(FileNotFoundError, FileExistsError):
+                os.link(entry, final / entry.name)  # never replaces the publisher's file of that name
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def _merge(source: Path, destination: Path) -> None:

@@ -10,12 +10,13 @@ one, all of them raise it.
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["raise_on_every_process", "run_where", "shareable"]
+__all__ = ["raise_on_every_process", "require_every_process", "run_where", "shareable"]
 
 _T = TypeVar("_T")
 
@@ -106,3 +107,55 @@ def run_where(
             error = err
     raise_on_every_process(error, what)
     return result
+
+
+_gloo_groups: dict[int, dist.ProcessGroup] = {}  # per default group (id): a gloo group for monitored barriers
+
+
+def require_every_process(what: str, why: str) -> None:
+    """Collective: return once every process has called it, or raise within the process group's timeout.
+
+    A call that must be collective (saving a sharded state, say) but comes from some processes only would otherwise
+    leave them waiting in the engine's collectives for the others, which are busy elsewhere. This is
+    ``torch.distributed.monitored_barrier`` (on a gloo group beside a group of another backend), which names the
+    processes that did not arrive.
+
+    Args:
+        what: The call, for the error (e.g. ``"save_state"``).
+        why: Why every process must make it (e.g. ``"under FSDP each process holds a shard of the state"``).
+
+    Raises:
+        RuntimeError: Naming the processes that did not arrive (or, on a process that arrived late, the process it
+            waited for), and that every process must call ``what``.
+
+    """
+    if not _distributed():
+        return
+    try:
+        dist.monitored_barrier(group=_barrier_group(), wait_all_ranks=True)
+    except RuntimeError as err:
+        missing = _absent_ranks(str(err))
+        who = f"process(es) {missing} did not call it" if missing else f"not every process called it ({err})"
+        raise RuntimeError(
+            f"{what} is collective here ({why}): every process must call it, not only some (e.g. not inside"
+            f" `if accelerator.is_main_process:`), but {who} within the process group's timeout."
+        ) from err
+
+
+def _barrier_group() -> dist.ProcessGroup | None:
+    """The default group where it is gloo's (``None``), else a gloo group over the same processes, made once."""
+    default = dist.group.WORLD
+    if dist.get_backend() == dist.Backend.GLOO or default is None:
+        return None
+    if id(default) not in _gloo_groups:
+        _gloo_groups[id(default)] = dist.new_group(backend=dist.Backend.GLOO)
+    return _gloo_groups[id(default)]
+
+
+def _absent_ranks(message: str) -> str:
+    """The ranks a monitored barrier's error names: ``"1, 3"`` (those missing, or the one a late process waited for)."""
+    found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", message)
+    if found:
+        return found.group(1).strip(", ")
+    late = re.search(r"waiting for send/recv from rank (\d+)", message)
+    return late.group(1) if late else ""
