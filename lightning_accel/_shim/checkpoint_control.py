@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -35,7 +36,7 @@ from lightning_accel.checkpoint.loaders import loader_positions, save_loader_sta
 from lightning_accel.checkpoint.node_copies import complete_on_each_node
 from lightning_accel.checkpointing import accelerate_sampler, save_custom_state, shard_state_dict
 from lightning_accel.checkpointing import save_model as write_model_files
-from lightning_accel.config import ProjectConfiguration
+from lightning_accel.config import InitProcessGroupKwargs, ProjectConfiguration
 from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.state.shared_errors import raise_on_every_process, require_every_process, run_where
 from lightning_accel.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
@@ -105,6 +106,7 @@ class CheckpointControl:
     _custom_objects: list[Any]
     _save_state_pre_hooks: OrderedDict[int, Callable[..., None]]
     _load_state_pre_hooks: OrderedDict[int, Callable[..., None]]
+    init_handler: InitProcessGroupKwargs | None
 
     if TYPE_CHECKING:  # the Accelerator's, from ProcessControl and PrecisionMembers
 
@@ -175,7 +177,7 @@ class CheckpointControl:
             return dict(self.fabric.strategy.get_module_state_dict(fabric_forward_module(model)))
         engine = self._strategy.checkpoint_engine()
         if engine is not None:
-            require_every_process("get_state_dict", self._why_collective())
+            require_every_process("get_state_dict", self._why_collective(), self._group_timeout())
             return engine.full_state_dict(model, self._models)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from torch.distributed.tensor import DTensor
@@ -185,7 +187,8 @@ class CheckpointControl:
             return get_state_dict_offloaded_model(module)
         sharded = any(isinstance(p, DTensor) for p in module.parameters())
         if sharded:
-            require_every_process("get_state_dict", "its weights are sharded DTensors, gathered over every process")
+            why = "its weights are sharded DTensors, gathered over every process"
+            require_every_process("get_state_dict", why, self._group_timeout())
         options = StateDictOptions(full_state_dict=True, cpu_offload=sharded)  # torch gathers for any parallelism
         return dict(get_model_state_dict(module, options=options))
 
@@ -254,7 +257,7 @@ class CheckpointControl:
         engine = self._engine(save_model_func_kwargs)
         if engine is None:
             return self._save_replicated(output_dir, safe_serialization)
-        require_every_process("save_state", self._why_collective())
+        require_every_process("save_state", self._why_collective(), self._group_timeout())
         return self._save_sharded(engine, output_dir, safe_serialization, save_model_func_kwargs)
 
     def _save_replicated(self, output_dir: str | os.PathLike[str] | None, safe_serialization: bool) -> str:
@@ -371,6 +374,9 @@ class CheckpointControl:
             _refuse_sharded(list(self._models))
         return engine
 
+    def _group_timeout(self) -> timedelta | None:
+        return self.init_handler.timeout if self.init_handler is not None else None
+
     def _why_collective(self) -> str:
         return f"under {self.distributed_type} each process holds a shard of the state"
 
@@ -420,7 +426,7 @@ class CheckpointControl:
             return None
         engine = self._engine(load_model_func_kwargs)
         if engine is not None:
-            require_every_process("load_state", self._why_collective())
+            require_every_process("load_state", self._why_collective(), self._group_timeout())
         config = self.project_configuration
         source = state_files.latest_source(config, input_dir)
         models = list(self._models) if engine is None else []  # an engine loads its models itself

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 import re
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -112,7 +113,7 @@ def run_where(
 _gloo_groups: dict[int, dist.ProcessGroup] = {}  # per default group (id): a gloo group for monitored barriers
 
 
-def require_every_process(what: str, why: str) -> None:
+def require_every_process(what: str, why: str, timeout: timedelta | None = None) -> None:
     """Collective: return once every process has called it, or raise within the process group's timeout.
 
     A call that must be collective (saving a sharded state, say) but comes from some processes only would otherwise
@@ -123,6 +124,8 @@ def require_every_process(what: str, why: str) -> None:
     Args:
         what: The call, for the error (e.g. ``"save_state"``).
         why: Why every process must make it (e.g. ``"under FSDP each process holds a shard of the state"``).
+        timeout: How long to wait: the process group's (``InitProcessGroupKwargs(timeout=...)``); ``None`` is torch's
+            default for the backend (30 minutes for gloo).
 
     Raises:
         RuntimeError: Naming the processes that did not arrive (or, on a process that arrived late, the process it
@@ -132,13 +135,14 @@ def require_every_process(what: str, why: str) -> None:
     if not _distributed():
         return
     try:
-        dist.monitored_barrier(group=_barrier_group(), wait_all_ranks=True)
+        dist.monitored_barrier(group=_barrier_group(), timeout=timeout, wait_all_ranks=True)
     except RuntimeError as err:
         missing = _absent_ranks(str(err))
         who = f"process(es) {missing} did not call it" if missing else f"not every process called it ({err})"
+        waited = f"{timeout.total_seconds():g} s" if timeout is not None else "the process group's timeout"
         raise RuntimeError(
             f"{what} is collective here ({why}): every process must call it, not only some (e.g. not inside"
-            f" `if accelerator.is_main_process:`), but {who} within the process group's timeout."
+            f" `if accelerator.is_main_process:`), but {who} within {waited}."
         ) from err
 
 

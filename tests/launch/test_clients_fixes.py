@@ -71,6 +71,26 @@ def test_join_override_names_map_style_loaders(results: Results) -> None:
     assert all(any("only supported for map-style datasets" in m for m in r["messages"]) for r in ours)
 
 
+def test_the_logger_records_what_accelerates_records_on_each_process(results: Results) -> None:
+    hf, ours = _case(results, "logging")
+    assert [rank["records"] for rank in ours] == [rank["records"] for rank in hf]
+    main, other = (rank["records"] for rank in ours)
+    assert [m for _, m in other].count("[RANK 1] tokenizing once") == 1
+    assert ("INFO", "[RANK 0] main only") in main and ("WARNING", "[RANK 1] in order") in other
+    assert not any("main only" in m or "below" in m for _, m in other)
+    # Every record names the caller on our side; Accelerate's warning_once record names warning_once itself.
+    assert [rank["callers"] for rank in ours] == [["logging_calls"]] * 2
+    assert [rank["callers"] for rank in hf] == [["logging_calls", "warning_once"]] * 2
+
+
+def test_save_state_from_the_main_process_only_under_ddp(results: Results) -> None:
+    hf, ours = _case(results, "main_only_save")
+    assert ours == hf
+    assert "random_states_0.pkl" in ours[0]["files"] and "random_states_1.pkl" not in ours[0]["files"]
+    assert ours[0]["model_files"] == ["model.safetensors"]
+    assert all(rank["restored"] for rank in ours)
+
+
 # ---- single process ------------------------------------------------------------------------------------------------
 
 

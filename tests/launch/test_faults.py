@@ -165,3 +165,28 @@ def test_an_accelerator_loop_resumes_after_a_restart_with_load_state_missing_ok(
     assert restarts.mismatches(tmp_path / "plain.pt", tmp_path / "killed.pt") == []
     checkpoints = tmp_path / "killed" / "checkpoints"
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["checkpoint_4", "checkpoint_5"]
+
+
+@pytest.mark.parametrize("case", ["alone", "late"])
+def test_a_sharded_save_state_from_some_processes_fails_in_time_naming_them(tmp_path: Path, case: str) -> None:
+    """FSDP's ``save_state`` called by rank 0 only ends within the 5 s timeout with an error that says why.
+
+    ``alone``: rank 0 calls it inside ``if is_main_process`` while rank 1 trains on; ``late``: rank 1 calls it after
+    rank 0 gave up. (Under DDP the same call from rank 0 only works: ``tests/launch/test_clients_fixes.py``.)
+    """
+    args = _torchrun_args("sharded_save_from_one_process.py", f"--case={case}", f"--out={tmp_path}")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, *args], env=clean_env(), capture_output=True, text=True, timeout=CASE_TIMEOUT, check=False
+    )
+    assert proc.returncode == (1 if case == "alone" else 0), proc.stderr[-3000:]
+    assert time.monotonic() - start < 60
+    ranks = (0,) if case == "alone" else (0, 1)  # alone: rank 1 ends when rank 0's exit breaks its collective
+    for rank in ranks:
+        waited, outcome = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert float(waited) < 5 + 3, (rank, waited)
+        assert outcome.startswith("RuntimeError: save_state is collective here (under DistributedType.FSDP"), outcome
+        assert "every process must call it" in outcome and "is_main_process" in outcome
+    first = (tmp_path / "rank0.txt").read_text()
+    assert "process(es) 1 did not call it within 5 s" in first
+    assert not (tmp_path / "checkpoint").exists()

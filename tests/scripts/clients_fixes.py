@@ -11,6 +11,11 @@ For each framework and case it records what the case observes; each rank writes 
 - ``join_warning``: ``join_uneven_inputs`` when the state says FSDP warns that it has no effect.
 - ``join_iterable_warning``: ``join_uneven_inputs(even_batches=False)`` with an iterable loader prepared warns that
   the override is for map-style loaders only (HF accelerate does not join on CPU, so it warns about that instead).
+- ``logging``: what ``accelerate.logging.get_logger``'s logger records on each process for ``main_process_only``,
+  ``in_order``, ``warning_once`` (TRL's tokenizing calls it inside ``main_process_first``) and the level calls.
+- ``main_only_save``: DDP training where only the main process calls ``save_state`` (and ``save_model``), as
+  diffusers' training scripts do, then trains on (both processes must go on), then every process ``load_state``s
+  the folder: the files written, the step counters and the weights after the load.
 """
 
 from __future__ import annotations
@@ -110,6 +115,68 @@ def join_iterable_warning(lib: ModuleType) -> dict[str, Any]:
     return {"messages": [str(w.message) for w in caught if issubclass(w.category, UserWarning)]}
 
 
+def logging_calls(lib: ModuleType) -> dict[str, Any]:
+    import logging
+
+    lib.Accelerator()  # (HF's PartialState() alone, after the reset between cases, would describe one process)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    name = "clients_fixes.logging"
+    base = logging.getLogger(name)
+    base.addHandler(handler)
+    try:
+        logger = importlib.import_module(f"{lib.__name__}.logging").get_logger(name, log_level="INFO")
+        logger.info("main only")
+        logger.info("everywhere", main_process_only=False)
+        logger.warning("in order", in_order=True)
+        with lib.PartialState().main_process_first():
+            for _ in range(3):
+                logger.warning_once("tokenizing once", main_process_only=False)
+        logger.debug("below the level", main_process_only=False)
+        logger.error("error %d", 7, main_process_only=False)
+    finally:
+        base.removeHandler(handler)
+    return {
+        "records": [(r.levelname, r.getMessage()) for r in records],
+        "callers": sorted({r.funcName for r in records}),  # Accelerate's warning_once names itself
+    }
+
+
+def main_only_save(lib: ModuleType) -> dict[str, Any]:
+    lib.utils.set_seed(0)
+    accelerator = lib.Accelerator()
+    model = torch.nn.Linear(4, 2)
+    data = DataLoader(torch.arange(64.0).reshape(16, 4), batch_size=2)
+    model, optimizer, data = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    record: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(accelerator.gather_for_metrics([scratch], use_gather_object=True)[0])  # rank 0's scratch
+        for step, batch in enumerate(data):
+            accelerator.backward(model(batch).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                saved = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+                if accelerator.is_main_process:
+                    accelerator.save_state(str(folder / "checkpoint-2"))
+                    accelerator.save_model(model, str(folder / "model"))
+            if step == 3:
+                break
+        accelerator.wait_for_everyone()
+        record["files"] = sorted(p.name for p in (folder / "checkpoint-2").iterdir())
+        record["model_files"] = sorted(p.name for p in (folder / "model").iterdir())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ours warns that random_states_1.pkl is missing; HF logs it at INFO
+            accelerator.load_state(str(folder / "checkpoint-2"))
+        loaded = accelerator.unwrap_model(model).state_dict()
+        record["restored"] = all(torch.equal(loaded[k], saved[k]) for k in saved)
+        record["weights"] = [loaded[k].tolist() for k in sorted(loaded)]
+        record["step"] = accelerator.step
+        accelerator.wait_for_everyone()
+    return record
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(torch.arange(3.0).unsqueeze(1))
@@ -120,6 +187,8 @@ CASES: dict[str, Callable[[ModuleType], dict[str, Any]]] = {
     "own_folders": own_folders,
     "join_warning": join_warning,
     "join_iterable_warning": join_iterable_warning,
+    "logging": logging_calls,
+    "main_only_save": main_only_save,
 }
 if HAS_DATASETS:
     CASES["dataset_split"] = dataset_split
