@@ -275,8 +275,8 @@ def save_custom_state(
 ) -> None:
     """Write ``obj.state_dict()`` to ``{path}/custom_checkpoint_{index}.pkl`` from the main process (or each node's)."""
     location = custom_file(path, index)
-    save(obj.state_dict(), location, save_on_each_node=save_on_each_node)  # knows the processes from here on
-    logger.info(f"Saved the state of {get_pretty_name(obj)} to {location}")
+    logger.info(f"Saving the state of {get_pretty_name(obj)} to {location}")
+    save(obj.state_dict(), location, save_on_each_node=save_on_each_node)
 
 
 def load_custom_state(obj: Stateful, path: str | os.PathLike[str], index: int = 0) -> None:
@@ -289,6 +289,5 @@ def load_custom_state(obj: Stateful, path: str | os.PathLike[str], index: int = 
         ValueError: If the file is missing or unreadable (naming it).
 
     """
+    logger.info(f"Loading the state of {get_pretty_name(obj)} from {custom_file(path, index)}")
     load_custom_file(obj, path, index)
-    if PartialState._shared_state:  # the process-aware logger needs the processes (none without an Accelerator)
-        logger.info(f"Loaded the state of {get_pretty_name(obj)} from {custom_file(path, index)}")

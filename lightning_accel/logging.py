@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Hashable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_accel.state import PartialState
@@ -21,6 +22,10 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     process only, ``False`` on every process; ``in_order=True`` has every process log, one after the other in rank
     order (a barrier per process; ``main_process_only`` is then ignored). ``warning_once`` logs a warning once per
     distinct call on this adapter; its record names the caller (Accelerate's names ``warning_once`` itself).
+
+    Unlike Accelerate's, it logs before any ``PartialState``/``Accelerator`` exists (Accelerate raises
+    ``RuntimeError``): the processes are then those of ``torch.distributed``'s default group, one without it, which
+    is what a Lightning ``Trainer`` run has.
     """
 
     @override
@@ -28,35 +33,25 @@ class MultiProcessAdapter(logging.LoggerAdapter):
         """Prefix ``msg`` with this process's rank; leave out this adapter's frame when the record names its caller."""
         msg, kwargs = super().process(msg, kwargs)
         kwargs.setdefault("stacklevel", 2)
-        return f"[RANK {PartialState().process_index}] {msg}", kwargs
+        return f"[RANK {_processes().process_index}] {msg}", kwargs
 
     @override
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
-        """Log ``msg`` where ``main_process_only`` and ``in_order`` say (see the class).
-
-        Raises:
-            RuntimeError: Before any ``PartialState``/``Accelerator`` exists (the processes of the run are unknown).
-
-        """
-        if not PartialState._shared_state:  # checked without creating one, which would join a launch
-            raise RuntimeError(
-                "get_logger's logger needs the processes of the run: create a PartialState() or an Accelerator()"
-                " before logging with it."
-            )
+        """Log ``msg`` where ``main_process_only`` and ``in_order`` say (see the class)."""
         main_process_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
         if not self.isEnabledFor(level):
             return
         msg, options = self.process(msg, kwargs)
-        state = PartialState()
+        processes = _processes()
         if not in_order:
-            if not main_process_only or state.is_main_process:
+            if not main_process_only or processes.process_index == 0:
                 self.logger.log(level, msg, *args, **options)
             return
-        for rank in range(state.num_processes):
-            if rank == state.process_index:
+        for rank in range(processes.num_processes):
+            if rank == processes.process_index:
                 self.logger.log(level, msg, *args, **options)
-            state.wait_for_everyone()
+            processes.wait_for_everyone()
 
     def warning_once(self, *args: Any, **kwargs: Any) -> None:
         """``warning(*args, **kwargs)``, the first time this adapter gets exactly these arguments only.
@@ -72,6 +67,43 @@ class MultiProcessAdapter(logging.LoggerAdapter):
         seen.add(key)
         options = {**kwargs, "stacklevel": int(kwargs.get("stacklevel", 2)) + 1}  # name our caller, not this method
         self.warning(*args, **options)
+
+
+class _Processes(Protocol):
+    """What the adapter asks of the processes of the run."""
+
+    @property
+    def process_index(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    def wait_for_everyone(self) -> None: ...
+
+
+class _DefaultGroup:
+    """The processes of ``torch.distributed``'s default group (one process without it), for logging before a state."""
+
+    @property
+    def process_index(self) -> int:
+        return dist.get_rank() if _group_exists() else 0
+
+    @property
+    def num_processes(self) -> int:
+        return dist.get_world_size() if _group_exists() else 1
+
+    def wait_for_everyone(self) -> None:
+        if _group_exists():
+            dist.barrier()
+
+
+def _group_exists() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _processes() -> _Processes:
+    """The run's ``PartialState`` where one exists, without creating one (which would join a launch)."""
+    return PartialState() if PartialState._shared_state else _DefaultGroup()
 
 
 def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:

@@ -88,11 +88,14 @@ def test_the_same_calls_record_the_same_as_accelerate(caplog: pytest.LogCaptureF
     assert {record[2] for record in ours} == {"_records"}  # the caller, not the adapter
 
 
-@pytest.mark.parametrize("side", ["hf", "ours"])
-def test_logging_before_any_state_is_refused_as_in_accelerate(side: str) -> None:
-    library, _ = LIBRARIES[side]
+def test_logging_before_any_state_logs_for_this_process(caplog: pytest.LogCaptureFixture) -> None:
+    """Accelerate refuses it; ours logs as process 0 of 1 (torch.distributed's ranks where a group exists)."""
     with pytest.raises(RuntimeError, match="PartialState"):
-        library.get_logger("tests.no_state").info("too early")
+        hf_logging.get_logger("tests.no_state").info("too early")
+    with caplog.at_level(logging.INFO, logger="tests.no_state"):
+        our_logging.get_logger("tests.no_state").info("before any state", in_order=True)
+    assert [r.getMessage() for r in caplog.records] == ["[RANK 0] before any state"]
+    assert not PartialState._shared_state  # logging did not create one (it would join a launch)
 
 
 @pytest.mark.parametrize("side", ["hf", "ours"])
