@@ -240,11 +240,12 @@ class CheckpointControl:
         ``save_model_func_kwargs`` go to DeepSpeed's ``save_checkpoint``. Returns the checkpoint directory. See
         :func:`lightning_accel.checkpointing.save_state`.
 
-        Where the state is replicated (one device, DDP), it is Accelerate's call from any subset of the processes:
-        nothing waits for another process, so ``if accelerator.is_main_process: accelerator.save_state(dir)`` works;
-        the main process (each node's with ``save_on_each_node``) writes the shared files, every calling process its
-        random states. Where each process holds a shard (FSDP, DeepSpeed), every process must call it; one that does
-        not is named in an error within the process group's timeout, instead of a hang.
+        Where the state is replicated (one device, DDP), a save into ``output_dir`` is Accelerate's call from any
+        subset of the processes: nothing waits for another process, so ``if accelerator.is_main_process:
+        accelerator.save_state(dir)`` works; the main process (each node's with ``save_on_each_node``) writes the
+        shared files, every calling process its random states. Where each process holds a shard (FSDP, DeepSpeed),
+        or with automatic naming (Accelerate waits for every process there too), every process must call it; one that
+        does not is named in an error within the process group's timeout, instead of a hang.
 
         Unlike Accelerate's, the save is atomic: files are written into ``.<name>.incomplete`` beside the folder,
         which gets its name once complete; old folders are rotated out only then. See
@@ -255,24 +256,23 @@ class CheckpointControl:
         states there, as Accelerate has every process write them.
         """
         engine = self._engine(save_model_func_kwargs)
-        if engine is None:
-            return self._save_replicated(output_dir, safe_serialization)
-        require_every_process("save_state", self._why_collective(), self._group_timeout())
-        return self._save_sharded(engine, output_dir, safe_serialization, save_model_func_kwargs)
+        if engine is None and not self.project_configuration.automatic_checkpoint_naming:
+            return self._save_alone(output_dir, safe_serialization)
+        why = self._why_collective() if engine is not None else "automatic naming counts the saves of every process"
+        require_every_process("save_state", why, self._group_timeout())
+        return self._save_together(engine, output_dir, safe_serialization, save_model_func_kwargs)
 
-    def _save_replicated(self, output_dir: str | os.PathLike[str] | None, safe_serialization: bool) -> str:
+    def _save_alone(self, output_dir: str | os.PathLike[str] | None, safe_serialization: bool) -> str:
         """``save_state`` without a collective: the publisher writes and publishes, the others stage their files."""
         config = self.project_configuration
         publisher = self.is_local_main_process if config.save_on_each_node else self.is_main_process
-        final = state_files.choose_target(config, output_dir, refuse_existing=publisher)
+        final = state_files.choose_target(config, output_dir)
         target = SaveTarget(final, publisher=0 if self.is_main_process else self.process_index)
         if publisher:
             remove_stale(target)
             self._write_shared_files(target.temporary, None, safe_serialization)
             self._write_process_states(target.temporary)
             publish(target)
-            if config.automatic_checkpoint_naming:
-                rotate(final.parent, config.total_limit)
         else:
             stage(
                 target,
@@ -283,14 +283,14 @@ class CheckpointControl:
         config.iteration += 1
         return str(final)
 
-    def _save_sharded(
+    def _save_together(
         self,
-        engine: EngineCheckpoint,
+        engine: EngineCheckpoint | None,
         output_dir: str | os.PathLike[str] | None,
         safe_serialization: bool,
         engine_kwargs: dict[str, Any],
     ) -> str:
-        """``save_state`` of a sharded engine: collective; the main process chooses the folder and publishes it."""
+        """``save_state`` on every process: the main process chooses the folder, every one writes, it is published."""
         config = self.project_configuration
         chosen: list[Any] = [None, None]
         if self.is_main_process:
@@ -303,8 +303,9 @@ class CheckpointControl:
         target = SaveTarget(Path(chosen[0]))
         self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
         target.temporary.mkdir(parents=True, exist_ok=True)
-        engine.save(self._models, self._optimizers, target.temporary, **engine_kwargs)
-        self.wait_for_everyone()
+        if engine is not None:
+            engine.save(self._models, self._optimizers, target.temporary, **engine_kwargs)
+            self.wait_for_everyone()
         writer = self.is_local_main_process if config.save_on_each_node else self.is_main_process
         if writer:
             self._write_shared_files(target.temporary, engine, safe_serialization)

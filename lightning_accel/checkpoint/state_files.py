@@ -117,20 +117,12 @@ def checkpoints_root(config: ProjectConfiguration) -> Path:
     return Path(config.project_dir) / "checkpoints"
 
 
-def choose_target(
-    config: ProjectConfiguration, output_dir: str | os.PathLike[str] | None, *, refuse_existing: bool = True
-) -> Path:
-    """The checkpoint folder of the next ``save_state``, by Accelerate's rules.
-
-    Args:
-        config: The project configuration (automatic naming, the save counter).
-        output_dir: What ``save_state`` was given.
-        refuse_existing: Refuse an automatically named folder that exists (the publisher's check; another process
-            may find it published already).
+def choose_target(config: ProjectConfiguration, output_dir: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint folder of the next ``save_state``, by Accelerate's rules (run it on the main process).
 
     Raises:
         ValueError: Without ``output_dir`` and automatic naming; with both; without a project directory for
-            automatic naming; or, with ``refuse_existing``, when the automatically named folder already exists.
+            automatic naming; or when the automatically named folder already exists.
 
     """
     if not config.automatic_checkpoint_naming:
@@ -144,7 +136,7 @@ def choose_target(
             " automatic naming off."
         )
     target = checkpoints_root(config) / f"checkpoint_{config.iteration}"
-    if refuse_existing and target.exists():
+    if target.exists():
         raise ValueError(
             f"Checkpoint folder {target} already exists; set ProjectConfiguration(iteration=...) past it or remove it."
         )
