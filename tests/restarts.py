@@ -2,7 +2,7 @@
 
 One run is ``tests/scripts/faults_restart.py`` (a 2-process Trainer run with ``CheckpointRotation`` and
 ``SeedableSampler``) or ``faults_restart_accelerator.py`` (the same through the ``Accelerator``, resuming with
-``load_state(missing_ok=True)``), started in one of three topologies:
+``load_state(missing_ok=True, resume_position=True)``), started in one of three topologies:
 
 - ``standalone``: one machine, no port given (torch's ``c10d`` rendezvous on a free port);
 - ``fixed_port``: one machine with ``--main_process_port`` (torch's ``static`` rendezvous);

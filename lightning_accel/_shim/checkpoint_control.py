@@ -394,6 +394,7 @@ class CheckpointControl:
         load_kwargs: dict[str, Any] | None = None,
         *,
         missing_ok: Literal[False] = False,
+        resume_position: bool = False,
         **load_model_func_kwargs: Any,
     ) -> str: ...
 
@@ -404,6 +405,7 @@ class CheckpointControl:
         load_kwargs: dict[str, Any] | None = None,
         *,
         missing_ok: bool,
+        resume_position: bool = False,
         **load_model_func_kwargs: Any,
     ) -> str | None: ...
 
@@ -413,6 +415,7 @@ class CheckpointControl:
         load_kwargs: dict[str, Any] | None = None,
         *,
         missing_ok: bool = False,
+        resume_position: bool = False,
         **load_model_func_kwargs: Any,
     ) -> str | None:
         """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.
@@ -420,8 +423,15 @@ class CheckpointControl:
         ``load_kwargs`` go to the ``torch.load`` of the optimizer, scheduler and loader files, and
         ``load_model_func_kwargs`` to DeepSpeed's ``load_checkpoint``. With ``missing_ok=True`` (not in Accelerate),
         nothing to load (no ``input_dir`` folder; with automatic naming, no ``checkpoint_<i>`` yet) returns ``None``
-        instead of raising, so one ``accelerator.load_state(missing_ok=True)`` before the loop starts a fresh run
-        and resumes one that ``lightning-accel launch --max_restarts N`` restarted.
+        instead of raising.
+
+        Each prepared data loader gets back its epoch (Accelerate restores none), and its next iteration starts at
+        the epoch's first batch, as Accelerate's: the loop skips the batches it already trained on itself
+        (``skip_first_batches``, or ``continue`` while ``step < resume_step`` as diffusers' scripts do). With
+        ``resume_position=True`` (not in Accelerate) the loaders also resume at the batch they had reached, for a
+        loop that does not skip: one ``accelerator.load_state(missing_ok=True, resume_position=True)`` before such a
+        loop starts a fresh run and resumes one that ``lightning-accel launch --max_restarts N`` restarted exactly.
+        ``skip_first_batches`` after a ``resume_position=True`` load skips from the epoch's first batch too.
         """
         if missing_ok and not self._has_checkpoint(input_dir):
             return None
@@ -446,15 +456,17 @@ class CheckpointControl:
         state_files.load_state_dicts(self._optimizers if engine is None else [], source, OPTIMIZER_NAME, **extra)
         state_files.load_state_dicts(self._schedulers, source, SCHEDULER_NAME, **extra)
         state_files.load_custom_objects(self._custom_objects, source)
-        self._load_process_states(source, extra)
+        self._load_process_states(source, extra, resume_position)
         config.iteration = state_files.next_iteration(config, source)
         return str(source)
 
-    def _load_process_states(self, source: Path, load_kwargs: dict[str, Any]) -> None:
-        """Restore this process's random states, its loaders' positions and stateful states, and the step counter."""
+    def _load_process_states(self, source: Path, load_kwargs: dict[str, Any], positions: bool) -> None:
+        """Restore this process's random states, its loaders' epochs (and positions) and stateful states, the step."""
         state_files.load_samplers(self._dataloaders, source, accelerate_sampler)
         hint = " (was the run saved by fewer processes, or did only some of its processes call save_state?)"
-        states = state_files.load_process_states(source, self.process_index, self._dataloaders, hint, **load_kwargs)
+        states = state_files.load_process_states(
+            source, self.process_index, self._dataloaders, hint, positions=positions, **load_kwargs
+        )
         if states is not None:
             self.step = int(states.get("step", 0))
 

@@ -94,6 +94,8 @@ def restore_loaders(
     source: Path,
     rng_states: Mapping[str, Any] | None,
     read: Callable[[Path], Any],
+    *,
+    positions: bool = True,
 ) -> None:
     """Resume each loader where the checkpoint in ``source`` left it.
 
@@ -103,6 +105,9 @@ def restore_loaders(
         rng_states: This process's ``random_states_{rank}.pkl`` content, or ``None`` when it is missing (then the
             epochs are read from process 0's file, so every process starts the same epoch).
         read: Reads a checkpoint file (and names it in the error if it cannot).
+        positions: Also resume each loader at the batch of its epoch it had reached; ``False`` restores the epochs
+            only, and the next iteration starts at the epoch's first batch (as Accelerate's, for loops that skip the
+            batches already trained on themselves).
 
     Raises:
         ValueError: If a recorded position lies past its loader's end (the file is from another run), naming the
@@ -115,9 +120,9 @@ def restore_loaders(
     record, file = (rng_states, own_file) if rng_states is not None else _first_process_record(source, read)
     saved_processes = record.get(_NUM_PROCESSES)
     other_world = saved_processes is not None and saved_processes != state.num_processes
-    epochs, positions = _recorded(record, len(loaders))
-    if other_world or rng_states is None:
-        positions = None  # batches of one process's shard: they mean nothing to another world size
+    epochs, recorded_positions = _recorded(record, len(loaders))
+    if other_world or rng_states is None or not positions:
+        recorded_positions = None  # another world size: batches of one process's shard mean nothing to it
     lengths = record.get(_LENGTHS)
     for index, loader in enumerate(loaders):
         state_file = source / state_file_name(index)
@@ -131,7 +136,8 @@ def restore_loaders(
         elif epochs is not None:
             loader.iteration = epochs[index]
             saved_length = lengths[index] if isinstance(lengths, list) and len(lengths) == len(loaders) else None
-            position = _checked_position(index, loader, positions[index] if positions else 0, saved_length, file)
+            recorded = recorded_positions[index] if recorded_positions else 0
+            position = _checked_position(index, loader, recorded, saved_length, file)
             loader.resume_position = position
             loader.resume_rng_states = dict(record) if position else None
     if other_world and loaders and saved_processes is not None:

@@ -402,6 +402,8 @@ def load_process_states(
     process_index: int,
     loaders: Sequence[ResumableLoader] | None = None,
     missing_hint: str = "",
+    *,
+    positions: bool = True,
     **load_kwargs: Any,
 ) -> dict[str, Any] | None:
     """Restore this process's random states from ``random_states_{process_index}.pkl``; return what it holds.
@@ -412,6 +414,7 @@ def load_process_states(
         loaders: The prepared loaders to resume (epoch, position and ``dl_state_dict`` files, see
             :func:`~lightning_accel.checkpoint.loaders.restore_loaders`); ``None`` leaves loaders alone.
         missing_hint: Added to the warning for a missing file.
+        positions: Resume the loaders mid-epoch too (see :func:`~lightning_accel.checkpoint.loaders.restore_loaders`).
         **load_kwargs: For the ``torch.load`` of the loader state files.
 
     Returns:
@@ -424,7 +427,8 @@ def load_process_states(
     path = _process_file(source, process_index)
     states = read_file(path, _torch_load) if path.is_file() else None
     if loaders is not None:
-        restore_loaders(loaders, source, states, lambda p: read_file(p, lambda q: _torch_load(q, **load_kwargs)))
+        read = lambda p: read_file(p, lambda q: _torch_load(q, **load_kwargs))  # noqa: E731
+        restore_loaders(loaders, source, states, read, positions=positions)
     if states is None:
         warnings.warn(f"{path} is missing: random states not restored{missing_hint}.", stacklevel=3)
         return None

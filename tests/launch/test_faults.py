@@ -157,7 +157,7 @@ def test_a_killed_worker_restarts_and_the_run_ends_bit_identical(
 
 
 def test_an_accelerator_loop_resumes_after_a_restart_with_load_state_missing_ok(tmp_path: Path) -> None:
-    """The shim's restart path: ``load_state(missing_ok=True)`` starts fresh, then resumes the restarted workers."""
+    """The shim's restart path: ``load_state(missing_ok=True, resume_position=True)`` starts fresh, then resumes."""
     script = restarts.ACCELERATOR_SCRIPT
     restarts.run("standalone", tmp_path / "plain", tmp_path / "plain.pt", script=script)
     output = restarts.run("fixed_port", tmp_path / "killed", tmp_path / "killed.pt", kill_at_step=5, script=script)

@@ -1,9 +1,10 @@
 """An Accelerate-style loop (2 CPU processes) that a restart must finish bit for bit, through the ``Accelerator``.
 
-Started by ``lightning-accel launch --max_restarts 1``. ``accelerator.load_state(missing_ok=True)`` before the loop
-starts the first attempt fresh and resumes a restarted one from the newest complete checkpoint (weights, optimizer,
-RNG states, the loader's position and the registered step counter). With ``--kill-at-step N``, rank 1 of the first
-attempt SIGKILLs itself after step ``N``. Rank 0 writes the final weights to ``--out``.
+Started by ``lightning-accel launch --max_restarts 1``. ``accelerator.load_state(missing_ok=True,
+resume_position=True)`` before the loop starts the first attempt fresh and resumes a restarted one from the newest
+complete checkpoint (weights, optimizer, RNG states, the loader's position and the registered step counter). With
+``--kill-at-step N``, rank 1 of the first attempt SIGKILLs itself after step ``N``. Rank 0 writes the final weights
+to ``--out``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main() -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4, shuffle=True))
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    accelerator.load_state(missing_ok=True)
+    accelerator.load_state(missing_ok=True, resume_position=True)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     while progress.step < STEPS:
         for x, y in loader:

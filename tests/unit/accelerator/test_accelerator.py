@@ -530,12 +530,34 @@ def test_resume_mid_epoch_matches_the_uninterrupted_run(tmp_path: Path) -> None:
             accelerator.save_state()
             break
     accelerator, model, optimizer, data, scheduler = resumable_run(tmp_path / "stopped")
-    accelerator.load_state()
+    accelerator.load_state(resume_position=True)
     assert (data.iteration, data.resume_position, accelerator.step) == (1, 2, 2)
     train_epoch(accelerator, model, optimizer, data, scheduler)  # the rest of epoch 1
     for key, value in accelerator.unwrap_model(model).state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
     assert data.position == 0 and data.iteration == 2
+
+
+def test_load_state_resumes_at_the_epochs_first_batch_for_a_loop_that_skips_itself(tmp_path: Path) -> None:
+    """diffusers' scripts (and Accelerate's docs) skip the batches already trained on after ``load_state``."""
+    import accelerate
+
+    import lightning_accel
+    from tests.helpers import reset_accelerator_states
+
+    seen = {}
+    for library in (accelerate, lightning_accel):
+        reset_accelerator_states()
+        accelerator = library.Accelerator(cpu=True)
+        data = accelerator.prepare(DataLoader(torch.arange(10), batch_size=1))
+        for step, _ in enumerate(data):
+            if step == 3:
+                accelerator.save_state(str(tmp_path / library.__name__))
+                break
+        accelerator.load_state(str(tmp_path / library.__name__))
+        seen[library.__name__] = [int(batch) for step, batch in enumerate(data) if step >= 3]
+    reset_accelerator_states()
+    assert seen["lightning_accel"] == seen["accelerate"] == list(range(3, 10))
 
 
 def test_set_epoch_elsewhere_or_skip_first_batches_take_the_restored_position() -> None:

@@ -87,7 +87,7 @@ def test_a_resume_position_past_the_loader_end_is_refused_naming_it_the_length_a
     refused = rf"{file} resumes data loader 0 at batch 6 of its epoch, but the loader has 4 batches per epoch "
     refused += r"\(the run that saved had 8\), so the epoch would yield nothing"
     with pytest.raises(ValueError, match=refused):
-        accelerator.load_state(tmp_path / "short")
+        accelerator.load_state(tmp_path / "short", resume_position=True)
     reset_accelerator_states()
 
 
@@ -97,7 +97,7 @@ def test_a_position_recorded_for_a_loader_of_another_length_is_not_restored(tmp_
     reset_accelerator_states()
     accelerator, _, data = _one_process_run(batches=4)
     with pytest.warns(UserWarning, match=r"records data loader 0 with 8 batches per epoch, but it has 4 now.*batch 3"):
-        accelerator.load_state(tmp_path / "long")
+        accelerator.load_state(tmp_path / "long", resume_position=True)
     assert sum(1 for _ in data) == 4
     reset_accelerator_states()
 
@@ -109,7 +109,7 @@ def test_the_same_loader_resumes_at_its_position(tmp_path: Path) -> None:
     accelerator, _, data = _one_process_run(batches=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        accelerator.load_state(tmp_path / "ckpt")
+        accelerator.load_state(tmp_path / "ckpt", resume_position=True)
     assert [x[0].tolist() for x in data] == [[[4.0 * i, 4.0 * i + 1], [4.0 * i + 2, 4.0 * i + 3]] for i in range(3, 8)]
     reset_accelerator_states()
 
