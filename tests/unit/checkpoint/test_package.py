@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,6 +107,75 @@ def test_publish_moves_a_file_or_a_folder_and_rotation_keeps_the_newest(tmp_path
     assert not (tmp_path / ".checkpoint_3.incomplete").exists()
     rotate(tmp_path, 2, folders_only=False)
     assert [p.name for _, p in numbered_checkpoints(tmp_path, folders_only=False)] == ["checkpoint_1", "checkpoint_2"]
+
+
+def _own_and_defaults(tag: str) -> tuple[Any, Any]:
+    def own(folder: Path) -> None:
+        (folder / "random_states_1.pkl").write_text(f"rank 1 {tag}")
+
+    def defaults(folder: Path) -> None:
+        (folder / "dl_state_dict.bin").write_text(f"rank 1's loader {tag}")
+
+    return own, defaults
+
+
+@pytest.mark.parametrize("order", ["staged_first", "published_first"])
+def test_a_staged_process_file_reaches_the_checkpoint_whoever_comes_second(tmp_path: Path, order: str) -> None:
+    """Rank 1 stages its random states without waiting; the checkpoint gets them whether rank 0 publishes first."""
+    from lightning_accel.checkpoint.folders import SaveTarget, numbered_checkpoints, publish, stage
+
+    target = SaveTarget(tmp_path / "checkpoint_0")
+    target.temporary.mkdir()
+    (target.temporary / "model.safetensors").write_text("weights")
+    (target.temporary / "dl_state_dict.bin").write_text("the publisher's loader")
+    if order == "published_first":
+        publish(target)
+    stage(target, 1, *_own_and_defaults("fresh"))
+    assert numbered_checkpoints(tmp_path) == ([(0, target.final)] if order == "published_first" else [])
+    if order == "staged_first":
+        assert [p.name for p in target.staged()] == [".checkpoint_0.process_1.incomplete"]
+        publish(target)
+    files = {p.name: p.read_text() for p in target.final.iterdir()}
+    assert files == {
+        "model.safetensors": "weights",
+        "random_states_1.pkl": "rank 1 fresh",
+        "dl_state_dict.bin": "the publisher's loader",  # a staged default never replaces the publisher's file
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_0"]  # nothing staged is left behind
+
+
+def test_a_staged_default_fills_a_folder_of_its_own_and_a_stale_staging_is_replaced(tmp_path: Path) -> None:
+    """A process saving into a folder no other process publishes (its own output_dir) keeps its own loader state."""
+    from lightning_accel.checkpoint.folders import SaveTarget, remove_incomplete, stage
+
+    target = SaveTarget(tmp_path / "mine")
+    target.final.mkdir()  # the user's folder exists already: handed in at once
+    stale = target.staging(1)
+    stale.mkdir()
+    (stale / "random_states_1.pkl").write_text("from a killed save")
+    stage(target, 1, *_own_and_defaults("fresh"))
+    assert {p.name: p.read_text() for p in target.final.iterdir()} == {
+        "random_states_1.pkl": "rank 1 fresh",
+        "dl_state_dict.bin": "rank 1's loader fresh",
+    }
+    for name in (".checkpoint_4.process_1.incomplete", ".checkpoint_4.process_1.incomplete.writing"):
+        (tmp_path / name).mkdir()
+    remove_incomplete(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_another_nodes_publisher_writes_a_temporary_of_its_own_and_merges_when_second(tmp_path: Path) -> None:
+    from lightning_accel.checkpoint.folders import SaveTarget, publish
+
+    main, other = SaveTarget(tmp_path / "ckpt"), SaveTarget(tmp_path / "ckpt", publisher=2)
+    assert other.temporary.name == ".ckpt.publisher_2.incomplete" and main.temporary.name == ".ckpt.incomplete"
+    for target, text in ((main, "main"), (other, "node 1")):
+        target.temporary.mkdir()
+        (target.temporary / "model.safetensors").write_text(text)
+    publish(main)
+    publish(other)  # shared storage: the folder exists, its files are replaced one by one
+    assert (tmp_path / "ckpt" / "model.safetensors").read_text() == "node 1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_fsdp_strategy_answers_with_its_checkpoint_engine() -> None:
