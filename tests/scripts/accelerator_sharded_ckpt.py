@@ -179,7 +179,7 @@ def run_b(variant: str, out: Path) -> dict[str, Any]:
         result["hf_loaded_ours"] = weights(accelerator, model)
         source = out / variant / "ours_with_hf_files"
         with_hf_model_files(accelerator, out / variant / "checkpoint", out / variant / "hf", source)
-    accelerator.load_state(source)
+    accelerator.load_state(source, resume_position=True)  # the loop below does not skip the batches itself
     train(accelerator, model, optimizer, scheduler, loader)
     result.update({"final": weights(accelerator, model), "lr": scheduler.get_last_lr()})
     return result
