@@ -17,9 +17,13 @@ import argparse
 import contextlib
 import io
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_accel.cli.launch import LaunchPlan
 
 __all__ = ["main"]
 
@@ -40,7 +44,7 @@ _SWITCHES = (
     "dynamo_use_dynamic",
     "dynamo_use_regional_compilation",
 )
-_TORCHRUN_PASSTHROUGH = ("max_restarts", "monitor_interval", "tee", "log_dir", "role", "rdzv_conf")
+_TORCHRUN_PASSTHROUGH = ("max_restarts", "monitor_interval", "tee", "log_dir", "role")
 _TPU_POD = (
     "lightning-accel launch does not start TPU pods over gcloud: run `lightning-accel launch --tpu` on each TPU VM "
     "(or use `accelerate launch --tpu_cluster`)"
@@ -125,6 +129,11 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     for name in _TORCHRUN_PASSTHROUGH:
         short = ["-t"] if name == "tee" else []  # accelerate launch's short spelling
         launcher.add_argument(*short, f"--{name}", default=None, help="Passed to torch.distributed.run.")
+    launcher.add_argument(
+        "--rdzv_conf",
+        default=None,
+        help="Rendezvous options key=value,... for torch.distributed.run (several machines: the timeout is added).",
+    )
     launcher.add_argument(
         "-q", "--quiet", action="store_true", help="On failure, print only the workers' output, not the summary."
     )
@@ -219,7 +228,24 @@ def _data_parallel_on_cpu(settings: dict[str, Any]) -> None:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from lightning_accel.cli.launch import plan_launch, run_plan
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from lightning_accel.cli.launch import run_plan
+
+    plan = _plan(args)
+    try:
+        if not args.quiet:
+            return run_plan(plan)
+        with contextlib.redirect_stderr(io.StringIO()):  # the failure summary run_plan prints; workers write on
+            return run_plan(plan)
+    except RendezvousTimeoutError as err:  # a machine that never arrived: not an input error, so status 1
+        print(f"lightning-accel launch: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _plan(args: argparse.Namespace) -> LaunchPlan:
+    """Plan the launch; its warnings (``--multi_gpu`` without GPUs, ...) are printed as the command's own."""
+    from lightning_accel.cli.launch import plan_launch
     from lightning_accel.launch_settings import cpu_threads_per_process
 
     _refuse_unsupported(args)
@@ -229,18 +255,20 @@ def _run_launch(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None
         for item in (f"--{name}", getattr(args, name))
     ]
-    plan = plan_launch(
-        launch_settings(args),
-        [args.training_script, *args.training_script_args],
-        cpu_threads=args.num_cpu_threads_per_process or cpu_threads_per_process(),
-        module=args.module,
-        no_python=args.no_python,
-        torchrun_options=passthrough,
-    )
-    if not args.quiet:
-        return run_plan(plan)
-    with contextlib.redirect_stderr(io.StringIO()):  # the failure summary run_plan prints; workers write on
-        return run_plan(plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        plan = plan_launch(
+            launch_settings(args),
+            [args.training_script, *args.training_script_args],
+            cpu_threads=args.num_cpu_threads_per_process or cpu_threads_per_process(),
+            module=args.module,
+            no_python=args.no_python,
+            torchrun_options=passthrough,
+            rdzv_conf=args.rdzv_conf,
+        )
+    for warning in caught:
+        print(f"lightning-accel launch: warning: {warning.message}", file=sys.stderr)
+    return plan
 
 
 if __name__ == "__main__":

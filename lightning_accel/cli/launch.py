@@ -22,7 +22,20 @@ from lightning_accel.strategies.megatron_core import check_plugin as check_megat
 from lightning_accel.strategies.registry import entry_for
 from lightning_accel.utils.launch import _CPU_THREAD_ENV, _DEFAULT_PORT, _VISIBLE_DEVICES
 
-__all__ = ["LaunchPlan", "parallelism_settings", "plan_launch", "run_plan"]
+__all__ = [
+    "DEFAULT_RDZV_TIMEOUT_S",
+    "LaunchPlan",
+    "cpu_for_absent_gpus",
+    "parallelism_settings",
+    "plan_launch",
+    "rendezvous_conf",
+    "run_plan",
+]
+
+# How long each machine waits for the others: torch.distributed.run's own default (static and c10d rendezvous), long
+# enough for machines a scheduler starts minutes apart (image pulls, environment setup, imports), short enough that a
+# machine that never comes is an error within minutes instead of a launch that waits until killed.
+DEFAULT_RDZV_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,31 @@ def _check_launchable(settings: Mapping[str, Any]) -> None:
         )
 
 
+def cpu_for_absent_gpus(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``MULTI_GPU`` on a machine without CUDA devices becomes ``MULTI_CPU`` (gloo), with a warning saying so.
+
+    ``accelerate launch --multi_gpu`` starts the same processes there (a script with ``Accelerator(cpu=True)`` then
+    trains as one CPU group): on a CPU cluster it is the flag that gives several machines one group. The warning
+    names the fix that silences it (``--cpu``, or ``distributed_type: MULTI_CPU``). Other device types are refused
+    by the device check.
+    """
+    merged = dict(settings)
+    if _arguments.distributed_type(merged) is not DistributedType.MULTI_GPU or merged.get("use_cpu"):
+        return merged
+    if _local_device_count("cuda") > 0:
+        return merged
+    ignored = f"; gpu_ids {merged['gpu_ids']!r} is ignored" if merged.get("gpu_ids") not in (None, "all") else ""
+    warnings.warn(
+        "distributed_type MULTI_GPU (--multi_gpu) asks for CUDA devices, but this machine has none: training on CPU "
+        f"as MULTI_CPU (gloo process group){ignored}. Pass --cpu (or set distributed_type: MULTI_CPU in the config "
+        "file) to launch on CPU without this warning",
+        UserWarning,
+        stacklevel=2,
+    )
+    merged.update(distributed_type=DistributedType.MULTI_CPU, use_cpu=True)
+    return merged
+
+
 def _local_device_count(device_type: str) -> int:
     """How many ``device_type`` devices this machine has (0 without the device's torch extension)."""
     import torch
@@ -145,25 +183,54 @@ def _check_devices_exist(settings: Mapping[str, Any]) -> None:
         )
 
 
-def _rendezvous_args(settings: Mapping[str, Any]) -> list[str]:
+def _rendezvous_args(settings: Mapping[str, Any], rdzv_conf: str | None) -> list[str]:
     machines = settings.get("num_machines", 1)
     rank = settings.get("machine_rank", 0)
     address, port = settings.get("main_process_ip"), settings.get("main_process_port")
     if rank >= machines:
         raise ValueError(f"machine_rank must be below num_machines ({machines}), got {rank}")
     if machines == 1:
+        conf = ["--rdzv_conf", rdzv_conf] if rdzv_conf else []
         if not port:  # no port, or 0: let torch.distributed.run pick a free one
-            return ["--standalone"]
-        return ["--master_addr", address or "127.0.0.1", "--master_port", str(port)]
+            return ["--standalone", *conf]
+        return ["--master_addr", address or "127.0.0.1", "--master_port", str(port), *conf]
     if not address or not port:
         raise ValueError(
             f"{machines} machines need main_process_ip and a non-zero main_process_port (the rank-0 machine's "
             f"address), got {address!r} and {port!r}"
         )
-    args = ["--node_rank", str(rank), "--rdzv_backend", settings.get("rdzv_backend") or "static"]
+    backend = settings.get("rdzv_backend") or "static"
+    args = ["--node_rank", str(rank), "--rdzv_backend", backend, "--rdzv_conf", rendezvous_conf(settings, rdzv_conf)]
     if settings.get("same_network"):
         return [*args, "--master_addr", address, "--master_port", str(port)]
     return [*args, "--rdzv_endpoint", f"{address}:{port}"]
+
+
+def rendezvous_conf(settings: Mapping[str, Any], rdzv_conf: str | None) -> str:
+    """``--rdzv_conf`` for several machines: ``rdzv_conf`` with the rendezvous timeout added.
+
+    The timeout is ``rdzv_timeout`` (default :data:`DEFAULT_RDZV_TIMEOUT_S`), under the key the backend reads
+    (``timeout`` for ``static``, ``join_timeout`` for ``c10d`` and the others); a timeout ``rdzv_conf`` already sets,
+    as ``accelerate launch --rdzv_conf timeout=N`` does, is kept.
+
+    Raises:
+        ValueError: If ``rdzv_conf`` is not ``key=value,...`` or sets another timeout than ``rdzv_timeout``.
+
+    """
+    key = "timeout" if (settings.get("rdzv_backend") or "static") == "static" else "join_timeout"
+    pairs = [item.strip() for item in (rdzv_conf or "").split(",") if item.strip()]
+    if any("=" not in item for item in pairs):
+        raise ValueError(f"--rdzv_conf must be key=value pairs separated by commas, got {rdzv_conf!r}")
+    given = dict(item.split("=", 1) for item in pairs)
+    timeout = settings.get("rdzv_timeout")
+    if key in given and timeout is not None and given[key].strip() != str(timeout):
+        raise ValueError(
+            f"--rdzv_conf sets {key}={given[key].strip()} and rdzv_timeout is {timeout}: give the rendezvous timeout "
+            "once (--rdzv_timeout, or rdzv_timeout in the config file)"
+        )
+    if key not in given:
+        pairs.append(f"{key}={timeout if timeout is not None else DEFAULT_RDZV_TIMEOUT_S}")
+    return ",".join(pairs)
 
 
 def _process_env(settings: Mapping[str, Any], cpu_threads: int) -> dict[str, str]:
@@ -186,6 +253,7 @@ def plan_launch(
     module: bool = False,
     no_python: bool = False,
     torchrun_options: Sequence[str] = (),
+    rdzv_conf: str | None = None,
 ) -> LaunchPlan:
     """Check the settings and plan the launch.
 
@@ -197,6 +265,7 @@ def plan_launch(
         module: Run ``command[0]`` as a Python module (``python -m``).
         no_python: Run ``command[0]`` as a program, not with Python.
         torchrun_options: Further ``torch.distributed.run`` options (``--max_restarts 2``, ...).
+        rdzv_conf: ``--rdzv_conf`` (``key=value,...``); with several machines the rendezvous timeout is added to it.
 
     Raises:
         ValueError: If the settings describe nothing lightning_accel can run (a type without a strategy, an invalid
@@ -207,10 +276,11 @@ def plan_launch(
         raise ValueError("no training script given: pass the script (and its arguments) after the options")
     if module and no_python:
         raise ValueError("--module and --no_python cannot be combined")
+    settings = cpu_for_absent_gpus(settings)
     _check_launchable(settings)
     per_node = _arguments.processes_per_node(settings)
     machines = settings.get("num_machines", 1)
-    args = ["--nnodes", str(machines), "--nproc_per_node", str(per_node), *_rendezvous_args(settings)]
+    args = ["--nnodes", str(machines), "--nproc_per_node", str(per_node), *_rendezvous_args(settings, rdzv_conf)]
     args += [*torchrun_options, *(["--module"] if module else []), *(["--no_python"] if no_python else [])]
     return LaunchPlan(tuple([*args, *command]), _process_env(settings, cpu_threads), per_node, machines)
 
@@ -220,6 +290,9 @@ def run_plan(plan: LaunchPlan) -> int:
 
     Returns:
         0 when every worker succeeded, 1 when one failed (``torch.distributed.run`` prints which and why).
+
+    Raises:
+        RendezvousTimeoutError: If, with several machines, some did not arrive within the rendezvous timeout.
 
     """
     from torch.distributed import run as torchrun
@@ -232,7 +305,7 @@ def run_plan(plan: LaunchPlan) -> int:
     # "connectFullMesh failed ... Connection refused". Unshared, every rendezvous round gets a fresh store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        if args.rdzv_backend == "static" and not args.standalone and args.max_restarts > 0:
+        if args.rdzv_backend == "static" and not args.standalone and (args.max_restarts > 0 or args.nnodes != "1"):
             _run_static_with_fresh_stores(args)
         else:
             torchrun.run(args)
@@ -246,7 +319,11 @@ def _run_static_with_fresh_stores(args: Any) -> None:
     """``torch.distributed.run`` with its static rendezvous replaced by one that gives every restart a new store.
 
     torch's static rendezvous (the agents meet on a fixed port) keeps one store for all attempts, the same fault as
-    above: see :mod:`lightning_accel.launch_settings.rendezvous`.
+    above, and waits for absent machines silently: see :mod:`lightning_accel.launch_settings.rendezvous`.
+
+    Raises:
+        RendezvousTimeoutError: If some machine did not arrive within the rendezvous timeout (naming it).
+
     """
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch

@@ -239,6 +239,8 @@ _TOP_LEVEL = (
     _top("main_process_ip", parse_str),
     _top("main_process_port", int_parser(minimum=0)),
     _top("rdzv_backend", parse_str),
+    # Not Accelerate's (its launcher takes `--rdzv_conf timeout=N`): seconds a machine waits for the others to arrive.
+    _top("rdzv_timeout", _POSITIVE),
     _top("same_network", parse_bool),
     _top("main_training_function", parse_str),
     _top("enable_cpu_affinity", parse_bool, "ACCELERATE_CPU_AFFINITY"),

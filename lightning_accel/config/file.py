@@ -75,6 +75,8 @@ class AccelerateConfig:
         main_process_ip: Address of the machine with rank 0.
         main_process_port: Port on that machine (``0``: pick a free one, single machine only).
         rdzv_backend: ``torch.distributed.run`` rendezvous backend (``static``, ``c10d``, ...).
+        rdzv_timeout: Seconds each machine waits for the others to arrive before it fails naming the missing ones
+            (lightning_accel's key; ``None``: the launcher's default). Accelerate refuses a file holding it.
         same_network: Whether all machines share a network (then ``main_process_ip``/port are used directly).
         main_training_function: Function notebook launchers call.
         enable_cpu_affinity: Pin processes to CPU cores (``ACCELERATE_CPU_AFFINITY``).
@@ -110,6 +112,7 @@ class AccelerateConfig:
     main_process_ip: str | None = None
     main_process_port: int | None = None
     rdzv_backend: str | None = "static"
+    rdzv_timeout: int | None = None
     same_network: bool = False
     main_training_function: str = "main"
     enable_cpu_affinity: bool = False

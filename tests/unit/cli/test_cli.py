@@ -108,7 +108,7 @@ def test_launch_plan_for_several_machines() -> None:
         args, env = _launch_plan("--config_file", "multi_node.yaml", "--machine_rank", "0", "train.py")
     assert args == [
         "--nnodes", "2", "--nproc_per_node", "8", "--node_rank", "0", "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", "10.0.0.1:29555", "train.py",
+        "--rdzv_conf", "join_timeout=600", "--rdzv_endpoint", "10.0.0.1:29555", "train.py",
     ]  # fmt: skip
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and "CUDA_VISIBLE_DEVICES" not in env
     args, _ = _launch_plan(
@@ -117,7 +117,7 @@ def test_launch_plan_for_several_machines() -> None:
     )  # fmt: skip
     assert args == [
         "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", "1", "--rdzv_backend", "static",
-        "--master_addr", "127.0.0.1", "--master_port", "29501", "train.py",
+        "--rdzv_conf", "timeout=600", "--master_addr", "127.0.0.1", "--master_port", "29501", "train.py",
     ]  # fmt: skip
 
 
