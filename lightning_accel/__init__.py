@@ -45,6 +45,12 @@ from lightning_accel.utils.modeling import (
 from lightning_accel.utils.random import synchronize_rng_states
 
 __version__ = "0.1.0"
+accelerate_api_version = "1.15.0"
+"""The Hugging Face Accelerate release whose API this package implements (what ``accelerate.__version__`` would be).
+
+Code written for Accelerate that gates features on ``accelerate.__version__`` (diffusers' training scripts register
+their checkpoint hooks only from 0.16.0) should compare this instead of ``lightning_accel.__version__``.
+"""
 
 register_accelerators()
 register_strategies()
@@ -87,6 +93,7 @@ __all__ = [
     "PrecisionType",
     "ProfileKwargs",
     "__version__",
+    "accelerate_api_version",
     "attach_layerwise_casting_hooks",
     "cpu_offload",
     "cpu_offload_with_hook",

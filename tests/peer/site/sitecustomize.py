@@ -39,6 +39,35 @@ class _ExistingModule(importlib.abc.Loader):
         return None
 
 
+class _AccelerateFacade(ModuleType):
+    """``accelerate`` itself: lightning_accel's attributes (read, set and deleted there), with Accelerate's version.
+
+    Programs gate on ``accelerate.__version__`` (diffusers' scripts register their checkpoint hooks only from 0.16.0),
+    so the top-level module reports the Accelerate release whose API lightning_accel implements
+    (``lightning_accel.accelerate_api_version``) rather than lightning_accel's own version.
+    """
+
+    def __init__(self, ours: ModuleType) -> None:
+        super().__init__(_THEIRS, ours.__doc__)
+        vars(self).update(__path__=list(ours.__path__), __file__=ours.__file__, _ours=ours)
+
+    def __getattr__(self, name: str) -> Any:
+        ours = vars(self)["_ours"]  # read late: lightning_accel may still be initialising when this is made
+        return ours.accelerate_api_version if name == "__version__" else getattr(ours, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("__") and name.endswith("__"):
+            super().__setattr__(name, value)
+        else:
+            setattr(vars(self)["_ours"], name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(vars(self)["_ours"], name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(vars(self)["_ours"])) | set(vars(self)))
+
+
 class _DeferredModule(importlib.abc.Loader):
     """Import lightning_accel only when ``accelerate`` itself is imported, not when a library merely looks for it.
 
@@ -50,7 +79,7 @@ class _DeferredModule(importlib.abc.Loader):
         self.name = name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.name)
+        return _AccelerateFacade(importlib.import_module(self.name))
 
     def exec_module(self, module: ModuleType) -> None:
         return None
@@ -80,6 +109,8 @@ class AccelerateAlias(importlib.abc.MetaPathFinder):
                 ) from None
             raise
         self._record(fullname, ours)
+        if fullname == _THEIRS:
+            module = _AccelerateFacade(module)
         spec = importlib.util.spec_from_loader(
             fullname, _ExistingModule(module), is_package=hasattr(module, "__path__")
         )
