@@ -74,9 +74,11 @@ def dataset(kind: str) -> Any:
 
 def reward_even_words(completions: list[str], **kwargs: Any) -> list[float]:
     """The share of words with an even index: a reward computed in code, nothing to download."""
-    return [
-        sum(int(w[1:]) % 2 == 0 for w in c.split() if w[1:].isdigit()) / max(1, len(c.split())) for c in completions
-    ]
+    return [_even_share(completion.split()) for completion in completions]
+
+
+def _even_share(words: list[str]) -> float:
+    return sum(int(w[1:]) % 2 == 0 for w in words if w[1:].isdigit()) / max(1, len(words))
 
 
 COMMON: dict[str, Any] = {
