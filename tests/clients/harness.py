@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -68,12 +68,13 @@ class Client:
     """A client: its name, script, runs and scenarios, and each run's time limit."""
 
     name: str
-    script: Path
+    script: Path | Callable[[Path], Path]  # or what writes the script (and its inputs) into the work folder
     runs: Sequence[Run]
     scenarios: Sequence[Scenario]
     timeout: int = 300
     extra_path: tuple[Path, ...] = ()  # more PYTHONPATH entries, on both sides
     site: Path = SITE  # the folder whose sitecustomize.py starts every process (it must load the alias)
+    variables: tuple[tuple[str, str], ...] = ()  # environment variables of every run, on both sides
 
 
 def environment(side: str, extra_path: Sequence[Path] = (), site: Path = SITE) -> dict[str, str]:
@@ -109,7 +110,7 @@ def launch(client: Client, run: Run, side: str, work: Path) -> tuple[bool, str, 
     if run.processes > 1:
         command += ["-m", "torch.distributed.run", f"--nproc_per_node={run.processes}", "--master_addr=127.0.0.1"]
         command += [f"--master_port={free_port()}"]
-    command += [str(client.script), *args]
+    command += [str(client.script), *args]  # main() has resolved a script written into the work folder
     start = time.monotonic()
     log = folder / f"{run.name}.log"
     try:
@@ -117,7 +118,7 @@ def launch(client: Client, run: Run, side: str, work: Path) -> tuple[bool, str, 
             done = subprocess.run(
                 command,
                 cwd=ROOT,
-                env=environment(side, client.extra_path, client.site),
+                env={**environment(side, client.extra_path, client.site), **dict(client.variables)},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 timeout=client.timeout,
@@ -229,6 +230,8 @@ def main(client: Client, description: str) -> int:
         if fnmatch.fnmatch(s.id, args.only) or fnmatch.fnmatch(s.id.split("::")[1], args.only)
     ]
     needed = {name for scenario in chosen for name in scenario.runs}
+    if callable(client.script):
+        client = replace(client, script=client.script(work))
     outcomes = execute(client, [run for run in client.runs if run.name in needed], work)
     scenarios = [evaluate(scenario, outcomes, work) for scenario in chosen]
     result = {"client": client.name, "seconds": round(time.monotonic() - start, 1), "scenarios": scenarios}
