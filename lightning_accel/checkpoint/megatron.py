@@ -4,12 +4,14 @@ A tensor-parallel parameter (megatron marks it ``tensor_model_parallel`` with it
 saving gathers the shards over megatron's tensor-parallel group, loading takes this rank's slice, in the order
 megatron's ``use_cpu_initialization`` splits a whole weight. Optimizer state of the parameter's shape (momentum,
 Adam's moments) is treated the same way. So a checkpoint written at ``tp_degree=2`` holds what a ``tp_degree=1`` run
-would hold, and resumes at either size.
+would hold, and resumes at either size. At ``pp_degree > 1`` each pipeline stage writes and reads its own file
+(:func:`stage_checkpoint_path`), holding the stage's parameters under the stage's names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +19,15 @@ import torch.distributed as dist
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
-__all__ = ["gather_model_state", "gather_optimizer_state", "split_model_state", "split_optimizer_state"]
+__all__ = [
+    "gather_model_state",
+    "gather_optimizer_state",
+    "global_layer_names",
+    "split_model_state",
+    "split_optimizer_state",
+    "stage_checkpoint_path",
+    "writes_stage_checkpoint",
+]
 
 
 def _tensor_parallel(param: Parameter) -> bool:
@@ -117,3 +127,43 @@ def split_optimizer_state(optimizer_state: Mapping[str, Any], optimizer: Optimiz
 
     """
     return _map_state(optimizer_state, optimizer, _split)
+
+
+def global_layer_names(module: Module) -> dict[str, str]:
+    """Each ``state_dict`` key of a pipeline stage, mapped to the key the whole (``pp_degree=1``) model gives it.
+
+    megatron numbers a stage's transformer layers from 0 (``decoder.layers.0`` on every stage) and records the
+    global 1-based index as the layer's ``layer_number``; this renames the first to the second.
+    """
+    renamed: dict[str, str] = {}
+    layers = {
+        f"{name}.": f"{name.rsplit('.', 1)[0]}.{int(layer.layer_number) - 1}."
+        for name, layer in module.named_modules()
+        if name.rsplit(".", 1)[0].endswith("layers") and hasattr(layer, "layer_number")
+    }
+    for key in module.state_dict():
+        prefix = next((local for local in layers if key.startswith(local)), None)
+        renamed[key] = key if prefix is None else layers[prefix] + key[len(prefix) :]
+    return renamed
+
+
+def stage_checkpoint_path(path: str | Path) -> Path:
+    """The file of this pipeline stage for a checkpoint named ``path`` (``path`` itself at ``pp_degree=1``).
+
+    ``run.ckpt`` of a 2-stage pipeline is ``run_pp00.ckpt`` on the first stage and ``run_pp01.ckpt`` on the second,
+    as megatron numbers its ``mp_rank_TT_PPP`` folders by pipeline rank.
+    """
+    from megatron.core import parallel_state
+
+    path = Path(path)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return path
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    return path.with_name(f"{path.stem}_pp{stage:02d}{path.suffix}")
+
+
+def writes_stage_checkpoint() -> bool:
+    """Whether this process writes its stage's file: tensor-parallel rank 0 of data-parallel rank 0 of the stage."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0

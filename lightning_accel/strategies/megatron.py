@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.wrappers import _FabricModule
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -29,6 +30,8 @@ from lightning_accel.checkpoint.megatron import (
     gather_optimizer_state,
     split_model_state,
     split_optimizer_state,
+    stage_checkpoint_path,
+    writes_stage_checkpoint,
 )
 from lightning_accel.config import DistributedDataParallelKwargs
 from lightning_accel.config.megatron import MegatronLMPlugin
@@ -41,6 +44,7 @@ from lightning_accel.strategies.lightning_arguments import (
     TrainerPlugins,
 )
 from lightning_accel.strategies.megatron_core import MegatronFamily, clip_grad_norm_across_tensor_parallel
+from lightning_accel.strategies.megatron_pipeline import Batch, ForwardFn, LossFn
 from lightning_accel.strategies.registry import StrategyEntry
 
 __all__ = ["AcceleratedMegatronLMStrategy", "FabricAcceleratedMegatronLMStrategy"]
@@ -93,6 +97,34 @@ class _MegatronMembers:
         """Shard data over megatron's data-parallel group: tensor-parallel peers read the same batches."""
         return self._megatron.sampler_kwargs()
 
+    def pipeline_step(self, module: Module, batch: Batch, forward: ForwardFn, loss: LossFn) -> torch.Tensor:
+        """Forward and backward one batch through megatron-core's pipeline schedule; then step the optimizer.
+
+        The batch is cut into ``MegatronLMPlugin.num_micro_batches`` micro-batches and run by the schedule
+        ``megatron.core.pipeline_parallel.get_forward_backward_func()`` chooses (1F1B across ``pp_degree`` stages).
+        Every stage passes the same batch; ``forward(module, micro_batch)`` returns the model's output (the loss
+        tensor on the last stage, hidden states elsewhere) and ``loss(output, micro_batch)`` the scalar loss.
+
+        Returns:
+            On the last stage, the mean loss over micro-batches, averaged across data-parallel ranks; ``0.0`` on the
+            other stages (as Accelerate's ``MegatronEngine`` reports it).
+
+        """
+        if isinstance(module, _FabricModule):  # the schedule calls backward itself, past Fabric's wrapper
+            module = module._forward_module
+        precision = self._megatron_precision()
+
+        def forward_in_precision(stage: Module, micro_batch: Batch) -> torch.Tensor:
+            with precision.forward_context():
+                return forward(stage, micro_batch)
+
+        device = self.root_device  # type: ignore[attr-defined]  # Lightning's, in the MRO
+        return self._megatron.pipeline_step(module, batch, forward_in_precision, loss, device)
+
+    def _megatron_precision(self) -> Any:
+        """The precision plugin (``precision_plugin`` on the Trainer's strategy, ``precision`` on Fabric's)."""
+        return getattr(self, "precision_plugin", None) or self.precision  # type: ignore[attr-defined]
+
     def _configure_launcher(self) -> None:
         """Megatron's device checks, then the DDP twin's."""
         self._megatron.check_devices(self.parallel_devices)  # type: ignore[attr-defined]  # Lightning's, in the MRO
@@ -143,7 +175,7 @@ class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
         self._megatron.setup_parallel_state(self.root_device)
 
     @override
-    def _setup_model(self, model: Module) -> DistributedDataParallel:
+    def _setup_model(self, model: Module) -> Module:  # type: ignore[override]  # a pipeline stage is not wrapped
         return self._megatron.wrap(model, self.determine_ddp_device_ids())
 
     @override
@@ -178,7 +210,15 @@ class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
         if "optimizer_states" in checkpoint:
             states = zip(checkpoint["optimizer_states"], self.optimizers, strict=True)
             checkpoint["optimizer_states"] = [gather_optimizer_state(state, opt) for state, opt in states]
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._megatron.plugin.pp_degree == 1:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        elif writes_stage_checkpoint():  # each stage's leader writes the stage's own file
+            self.checkpoint_io.save_checkpoint(checkpoint, stage_checkpoint_path(filepath), storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read the checkpoint, at ``pp_degree > 1`` this pipeline stage's own file of it."""
+        return super().load_checkpoint(stage_checkpoint_path(checkpoint_path), weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -215,7 +255,7 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
         self._megatron.setup_parallel_state(self.root_device)
 
     @override
-    def setup_module(self, module: Module) -> DistributedDataParallel:
+    def setup_module(self, module: Module) -> Module:  # type: ignore[override]  # a pipeline stage is not wrapped
         wrapped = self._megatron.wrap(module, self._determine_ddp_device_ids())
         self._megatron_modules.append(wrapped)
         return wrapped
@@ -254,6 +294,34 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
         return gather_optimizer_state(optimizer.state_dict(), optimizer)
 
     @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """``fabric.save``: at ``pp_degree > 1`` the leader of each pipeline stage writes the stage's own file."""
+        if self._megatron.plugin.pp_degree == 1:
+            super().save_checkpoint(path, state, storage_options, filter)
+            return
+        converted = {key: self._stage_state(key, value, filter or {}) for key, value in state.items()}
+        if writes_stage_checkpoint():
+            self.checkpoint_io.save_checkpoint(converted, stage_checkpoint_path(path), storage_options)
+
+    def _stage_state(self, key: str, value: Any, filter: Mapping[str, Callable[[str, Any], bool]]) -> Any:
+        """What ``fabric.save`` stores for ``state[key]``: a module's or optimizer's state dict, filtered."""
+        if isinstance(value, Module):
+            value = self.get_module_state_dict(value)
+        elif isinstance(value, Optimizer):
+            value = self.get_optimizer_state(value)
+        elif callable(getattr(value, "state_dict", None)):
+            value = value.state_dict()
+        if key in filter and isinstance(value, dict):
+            value = {name: item for name, item in value.items() if filter[key](name, item)}
+        return value
+
+    @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         inner = module.module if isinstance(module, DistributedDataParallel) else module
         super().load_module_state_dict(inner, split_model_state(state_dict, inner), strict=strict)
@@ -262,7 +330,8 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
     def load_checkpoint(
         self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Lightning's loading, with each optimizer given this rank's slices of the whole tensors saved."""
+        """Lightning's loading (of this pipeline stage's own file), each optimizer given this rank's slices."""
+        path = stage_checkpoint_path(path)
         if isinstance(state, Optimizer):
             state.load_state_dict(
                 split_optimizer_state(super().load_checkpoint(path, weights_only=weights_only), state)

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_accel.config import DistributedDataParallelKwargs
 from lightning_accel.config.megatron import MegatronLMPlugin
+from lightning_accel.strategies.megatron_pipeline import Batch, ForwardFn, LossFn, pipeline_step
 
 __all__ = ["MegatronFamily", "check_plugin", "clip_grad_norm_across_tensor_parallel", "require_megatron"]
 
@@ -30,13 +31,6 @@ _INSTALL = (
 
 # (field, the value the strategy runs, why another value is refused and what to pass instead)
 _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
-    ("pp_degree", 1, "pipeline parallelism (megatron's pipeline schedules) is not implemented; use pp_degree=1"),
-    (
-        "num_micro_batches",
-        1,
-        "micro-batches belong to megatron's pipeline schedules, which are not implemented; use num_micro_batches=1 "
-        "and Trainer(accumulate_grad_batches=N) for gradient accumulation",
-    ),
     (
         "context_parallel_size",
         1,
@@ -149,21 +143,24 @@ class MegatronFamily:
 
         if not dist.is_initialized():
             raise RuntimeError("acc_megatron_lm sets up megatron-core after the process group; none exists yet")
-        tp, world = self.plugin.tp_degree, dist.get_world_size()
-        if world % tp:
+        tp, pp, world = self.plugin.tp_degree, self.plugin.pp_degree, dist.get_world_size()
+        if world % (tp * pp):
             raise ValueError(
-                f"MegatronLMPlugin(tp_degree={tp}) does not divide the world size {world}: run a multiple of {tp} "
-                f"processes (devices x nodes), or pick a tp_degree that divides {world}"
+                f"MegatronLMPlugin(tp_degree={tp}, pp_degree={pp}) does not divide the world size {world}: run a "
+                f"multiple of {tp * pp} processes (devices x nodes), or pick degrees whose product divides {world}"
             )
         if parallel_state.model_parallel_is_initialized():
-            existing = parallel_state.get_tensor_model_parallel_world_size()
-            if existing != tp:
+            existing = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+            )
+            if existing != (tp, pp):
                 raise ValueError(
-                    f"megatron-core's parallel state already exists with tensor-parallel size {existing}, not "
-                    f"tp_degree={tp}; call megatron.core.parallel_state.destroy_model_parallel() first"
+                    f"megatron-core's parallel state already exists with (tensor, pipeline) sizes {existing}, not "
+                    f"tp_degree={tp}, pp_degree={pp}; call megatron.core.parallel_state.destroy_model_parallel() first"
                 )
             return
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         self._initialized_here = True
         if root_device.type == "cuda":
             from megatron.core import tensor_parallel
@@ -187,14 +184,41 @@ class MegatronFamily:
             "rank": parallel_state.get_data_parallel_rank(),
         }
 
-    def wrap(self, module: Module, device_ids: list[int] | None) -> DistributedDataParallel:
-        """Wrap ``module`` in ``DistributedDataParallel`` over megatron's data-parallel group."""
+    def wrap(self, module: Module, device_ids: list[int] | None) -> Module:
+        """Wrap ``module`` in ``DistributedDataParallel`` over megatron's data-parallel group.
+
+        A pipeline stage (``pp_degree > 1``) stays unwrapped: megatron's 1F1B schedule runs several forwards before
+        their backwards, which torch's DDP does not allow; :meth:`pipeline_step` averages its gradients over the
+        data-parallel group after the schedule instead.
+        """
         from megatron.core import parallel_state
 
+        if self.plugin.pp_degree > 1:
+            return module
         group = parallel_state.get_data_parallel_group()
         ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=group, **self.ddp_kwargs.to_kwargs())
         self.ddp_kwargs.register_comm_hook(ddp)
         return ddp
+
+    def pipeline_step(
+        self, module: Module, batch: Batch, forward: ForwardFn, loss: LossFn, device: torch.device
+    ) -> torch.Tensor:
+        """One training step's forward and backward through megatron's schedule (see :func:`pipeline_step`).
+
+        Args:
+            module: This stage's model, as the strategy set it up.
+            batch: This data-parallel rank's batch, cut into ``plugin.num_micro_batches`` micro-batches.
+            forward: ``forward(module, micro_batch)``: the model's output.
+            loss: ``loss(output, micro_batch)``: the scalar loss (last stage only).
+            device: The run's device.
+
+        Returns:
+            The loss as Accelerate reports it: on the last stage the mean over micro-batches, ``0.0`` elsewhere.
+
+        """
+        return pipeline_step(
+            module, batch, forward, loss, num_micro_batches=self.plugin.num_micro_batches, device=device
+        )
 
     def clip_gradients(self, module: Module) -> torch.Tensor | None:
         """Clip by ``plugin.gradient_clipping`` (0 disables) using the norm of the whole, unsharded gradient.

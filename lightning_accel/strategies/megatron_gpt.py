@@ -152,6 +152,7 @@ def transformer_config(plugin: MegatronLMPlugin, **fields: Any) -> Any:
         "calculate_per_token_loss": plugin.calculate_per_token_loss,
         "use_cpu_initialization": True,
         "pipeline_dtype": torch.float32,
+        "batch_p2p_sync": torch.cuda.is_available(),  # a CUDA synchronize after each p2p batch; nothing on CPU
         **recompute,
         **fields,
     }
@@ -167,7 +168,11 @@ def gpt_model(
     position_embedding_type: str | None = None,
     **config_fields: Any,
 ) -> Module:
-    """A megatron-core ``GPTModel`` on megatron's local layer spec, sized by ``config_fields``.
+    """A megatron-core ``GPTModel`` (this rank's pipeline stage) on megatron's local layer spec.
+
+    At ``pp_degree > 1`` the model is this rank's stage: the first stage holds the embeddings, the last the final
+    norm and output layer (megatron's ``pre_process`` / ``post_process``), and each holds ``num_layers / pp_degree``
+    transformer layers (their ``layer_number`` is global).
 
     Call it after the strategy set up megatron's parallel state (inside ``configure_model`` for the Trainer, or
     after ``fabric.launch()``), so the tensor-parallel layers know their rank. The model's ``forward(input_ids,
@@ -213,8 +218,12 @@ def gpt_model(
             "torch.cuda.current_device()); on CPU pass MegatronLMPlugin(use_rotary_position_embeddings=False) or "
             "position_embedding_type='learned_absolute'"
         )
+    from megatron.core import parallel_state
+
     return GPTModel(
         config=config,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,

@@ -82,8 +82,6 @@ def test_without_megatron_the_error_names_the_extra(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(
     ("field", "value", "fix"),
     [
-        ("pp_degree", 2, "pp_degree=1"),
-        ("num_micro_batches", 4, "accumulate_grad_batches"),
         ("context_parallel_size", 2, "context_parallel_size=1"),
         ("expert_model_parallel_size", 2, "use 1"),
         ("expert_tensor_parallel_size", 2, "use 1"),
@@ -115,8 +113,8 @@ def test_strategy_for_builds_it_with_the_plugin() -> None:
         assert type(strategy) is cls
         assert strategy.megatron_lm_plugin is given
         assert strategy.distributed_type is DistributedType.MEGATRON_LM
-    with pytest.raises(ValueError, match=r"pp_degree=2"):
-        strategy_for("MEGATRON_LM", megatron_lm_plugin=plugin(pp_degree=2))
+    with pytest.raises(ValueError, match=r"context_parallel_size=2"):
+        strategy_for("MEGATRON_LM", megatron_lm_plugin=plugin(context_parallel_size=2))
 
 
 _CONFIG = """\
@@ -225,7 +223,7 @@ def one_process_group() -> Iterator[None]:
 @needs_megatron
 def test_tp_degree_must_divide_the_world_size(one_process_group: None) -> None:
     family = MegatronFamily(plugin(tp_degree=2), None)
-    with pytest.raises(ValueError, match=r"tp_degree=2\) does not divide the world size 1"):
+    with pytest.raises(ValueError, match=r"tp_degree=2, pp_degree=1\) does not divide the world size 1"):
         family.setup_parallel_state(torch.device("cpu"))
 
 

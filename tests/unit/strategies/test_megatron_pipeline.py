@@ -1,0 +1,92 @@
+"""``acc_megatron_lm`` pipeline parallelism through megatron-core's schedules, on CPU processes (gloo).
+
+One 2-process run of ``tests/scripts/megatron_pipeline.py`` (pp_degree=2, num_micro_batches=2, megatron's 1F1B
+schedule) against a 1-process reference in the same test module (pp_degree=1, a plain forward and backward per
+batch): the losses the strategy reports, the weights after training, the stage files written by ``fabric.save`` and
+an exact resume from them, Fabric and Trainer alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_accel.strategies.megatron_pipeline import split_micro_batches
+from tests.helpers import load_rank_results, torchrun
+
+HAS_MEGATRON = (
+    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+)
+needs_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed (the megatron extra)")
+ATOL = 1e-5
+Results = dict[str, list[dict[str, Any]]]
+
+
+def test_split_micro_batches_cuts_every_tensor_alike() -> None:
+    ids, labels = torch.arange(8).reshape(4, 2), torch.arange(8, 16).reshape(4, 2)
+    parts = split_micro_batches([ids, labels], 2)
+    assert [[t.tolist() for t in part] for part in parts] == [
+        [[[0, 1], [2, 3]], [[8, 9], [10, 11]]],
+        [[[4, 5], [6, 7]], [[12, 13], [14, 15]]],
+    ]
+    with pytest.raises(ValueError, match=r"4 samples cannot be cut into MegatronLMPlugin\(num_micro_batches=3\)"):
+        split_micro_batches([ids], 3)
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("megatron_pipeline")
+    torchrun("megatron_pipeline.py", "--out", str(out), nproc=1, timeout=240)
+    torchrun("megatron_pipeline.py", "--out", str(out), nproc=2, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(runs_dir: Path) -> Results:
+    return load_rank_results(runs_dir)
+
+
+def _assert_weights_match(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert result["weights"], "a stage holds parameters"
+    for name, weight in result["weights"].items():
+        torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
+
+
+@pytest.mark.launch
+@needs_megatron
+@pytest.mark.parametrize("variant", ["fabric_pp2", "trainer_pp2"])
+def test_pp2_with_two_micro_batches_trains_as_pp1(runs: Results, variant: str) -> None:
+    reference = runs["pp1"][0]
+    first, last = runs[variant]
+    assert (first["stage"], last["stage"]) == ((0, 2), (1, 2))
+    # The loss is reported on the last stage (mean over micro-batches), 0.0 on the others, as Accelerate's engine.
+    torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
+    assert first["losses"] == [0.0] * len(reference["losses"])
+    # The two stages hold disjoint parts of the model, together all of it, each trained as the whole model is.
+    assert not first["weights"].keys() & last["weights"].keys()
+    assert first["weights"].keys() | last["weights"].keys() == reference["weights"].keys()
+    assert any(".layers.0." in name for name in first["weights"]) and "output_layer.weight" in last["weights"]
+    assert any(".layers.1." in name for name in last["weights"])
+    for result in (first, last):
+        _assert_weights_match(result, reference)
+
+
+@pytest.mark.launch
+@needs_megatron
+def test_each_stage_saves_its_own_file_and_resumes_exactly(runs: Results, runs_dir: Path) -> None:
+    stages = [torch.load(runs_dir / f"fabric_pp2_pp0{stage}.ckpt", weights_only=True) for stage in (0, 1)]
+    assert not (runs_dir / "fabric_pp2.ckpt").exists()
+    assert [state["step"] for state in stages] == [2, 2]
+    assert "embedding.word_embeddings.weight" in stages[0]["model"] and "output_layer.weight" in stages[1]["model"]
+    assert "output_layer.weight" not in stages[0]["model"]
+    assert all(len(state["optimizer"]["state"]) > 0 for state in stages)  # momentum buffers of each stage
+    for stage in (0, 1):
+        full, resumed = runs["fabric_pp2"][stage], runs["fabric_pp2_resumed"][stage]
+        assert resumed["step"] == 2
+        assert resumed["losses"] == full["losses"][2:]  # bit for bit: weights and momentum restored
+        for name, weight in full["weights"].items():
+            assert torch.equal(resumed["weights"][name], weight), name
