@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
-from lightning.fabric.wrappers import _FabricModule
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -36,6 +35,7 @@ from lightning_accel.checkpoint.megatron import (
 from lightning_accel.config import DistributedDataParallelKwargs
 from lightning_accel.config.megatron import MegatronLMPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.ddp_core import ProcessGroupOptions
 from lightning_accel.strategies.lightning_arguments import (
@@ -110,8 +110,7 @@ class _MegatronMembers:
             other stages (as Accelerate's ``MegatronEngine`` reports it).
 
         """
-        if isinstance(module, _FabricModule):  # the schedule calls backward itself, past Fabric's wrapper
-            module = module._forward_module
+        module = fabric_forward_module(module)  # the schedule calls backward itself, past Fabric's wrapper
         precision = self._megatron_precision()
 
         def forward_in_precision(stage: Module, micro_batch: Batch) -> torch.Tensor:

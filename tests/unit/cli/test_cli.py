@@ -89,7 +89,7 @@ def test_trainer_args_explains_a_file(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_trainer_args_reports_files_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["trainer-args", "--config_file", "megatron.yaml"]) == 2
-    assert "cannot run MegatronLMPlugin(pp_degree=2): pipeline parallelism" in capsys.readouterr().err
+    assert "cannot run MegatronLMPlugin(context_parallel_size=2): context parallelism" in capsys.readouterr().err
     assert main(["trainer-args", "--config_file", "missing.yaml"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -153,7 +153,7 @@ def test_launch_uses_the_default_config_file(tmp_path: Path) -> None:
 
 
 LAUNCH_ERRORS = {
-    "megatron": (["--config_file", "megatron.yaml"], r"cannot run MegatronLMPlugin\(pp_degree=2\)"),
+    "megatron": (["--config_file", "megatron.yaml"], r"cannot run MegatronLMPlugin\(context_parallel_size=2\)"),
     "mpirun": (["--config_file", "mpirun.yaml"], "mpirun_hostfile is set"),
     "no address": (["--num_machines", "2"], "2 machines need main_process_ip"),
     "rank": (["--num_machines", "2", "--machine_rank", "2"], "machine_rank must be below num_machines"),

@@ -275,7 +275,7 @@ def test_trainer_kwargs_pass_dynamo_settings_to_the_strategy() -> None:
 UNRUNNABLE = {
     "megatron": (
         "megatron.yaml",
-        r"acc_megatron_lm \(DistributedType.MEGATRON_LM\) cannot run MegatronLMPlugin\(pp_degree=2\)",
+        r"acc_megatron_lm \(DistributedType.MEGATRON_LM\) cannot run MegatronLMPlugin\(context_parallel_size=2\)",
     ),
 }
 
