@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import gc
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from types import TracebackType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 import torch
 from lightning.fabric import Fabric
@@ -23,14 +22,13 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
-from typing_extensions import override
 
-from lightning_accel._shim import engine_step as _engine_step
-from lightning_accel._shim import fabric as _fabric
-from lightning_accel._shim import lomo as _lomo
-from lightning_accel._shim import module as _module
-from lightning_accel._shim import parallelism as _parallelism
-from lightning_accel._shim.arguments import (
+from lightning_accel._accelerator import engine_step as _engine_step
+from lightning_accel._accelerator import fabric as _fabric
+from lightning_accel._accelerator import lomo as _lomo
+from lightning_accel._accelerator import module as _module
+from lightning_accel._accelerator import parallelism as _parallelism
+from lightning_accel._accelerator.arguments import (
     check_arguments,
     check_type,
     named_trackers,
@@ -38,62 +36,72 @@ from lightning_accel._shim.arguments import (
     refuse_unsupported,
     with_split_batches,
 )
-from lightning_accel._shim.checkpoint_control import CheckpointControl
-from lightning_accel._shim.deepspeed_members import ReturnedModels, ulysses_loader
-from lightning_accel._shim.gradients import GradientClipping, raw_optimizer
-from lightning_accel._shim.loader_control import DataLoaderControl
-from lightning_accel._shim.module import (
+from lightning_accel._accelerator.checkpoints import Checkpoints
+from lightning_accel._accelerator.data_loaders import DataLoaders
+from lightning_accel._accelerator.deepspeed_members import ReturnedModels, ulysses_loader
+from lightning_accel._accelerator.gradients import GradientClipping, raw_optimizer
+from lightning_accel._accelerator.module import (
     AcceleratedModule,
     check_quantized_placement,
     distributed_data_parallel,
     evaluation_module,
     plain_optimizer_step,
 )
-from lightning_accel._shim.parallelism import ParallelismControl
-from lightning_accel._shim.precision_members import PrecisionMembers, check_fp8_handlers, handler_attributes
-from lightning_accel._shim.prepared import PreparedObjects
-from lightning_accel._shim.process import ProcessControl
-from lightning_accel._shim.profiling import profiled
+from lightning_accel._accelerator.parallelism import Parallelism
+from lightning_accel._accelerator.precision import KwargsHandlers, MixedPrecision, check_fp8_handlers
+from lightning_accel._accelerator.prepared import PreparedObjects
+from lightning_accel._accelerator.process import Trigger, main_only
+from lightning_accel._accelerator.profiling import profiled
 from lightning_accel.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
     KwargsHandler,
     MegatronLMPlugin,
     ParallelismConfig,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from lightning_accel.config.devices import BACKEND_BY_TYPE
+from lightning_accel.config.fp8 import AORecipeKwargs, FP8RecipeKwargs, TERecipeKwargs
 from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.data_loader import DataLoaderShard, check_rng_types
-from lightning_accel.enums import DynamoBackend
+from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
+from lightning_accel.enums import DistributedType, DynamoBackend, FP8BackendType
 from lightning_accel.launch_settings import accelerator_kwargs, settings_from_env
 from lightning_accel.lightning_compat import get_backward_sync_control
 from lightning_accel.optimizer import AcceleratedOptimizer, DeepSpeedOptimizerWrapper
 from lightning_accel.scheduler import AcceleratedScheduler
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.strategies.protocol import ShimStrategy, as_shim_strategy
-from lightning_accel.tracking import GeneralTracker, TrackingMixin, resolve_trackers
+from lightning_accel.tracking import GeneralTracker, resolve_trackers
 from lightning_accel.tracking.registry import check_logging_dir
+from lightning_accel.tracking.trackers import Trackers
 from lightning_accel.utils import modeling, operations
 from lightning_accel.utils.deepspeed import DeepSpeedEngineWrapper
 from lightning_accel.utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 from lightning_accel.utils.other import extract_model_from_parallel
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.hooks import RemovableHandle
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 __all__ = ["Accelerator"]
 
 
-class Accelerator(
-    ProcessControl,
-    TrackingMixin,
-    DataLoaderControl,
-    CheckpointControl,
-    PrecisionMembers,
-    ParallelismControl,
-):
+class Accelerator:
     """Accelerate's ``Accelerator`` on Lightning Fabric and lightning_accel's strategies and precision plugins.
+
+    A facade: each topic's work is done by a collaborator built once here (``Checkpoints``, ``DataLoaders``,
+    ``MixedPrecision``, ``Parallelism``, ``Trigger``, ``Trackers``, ``GradientClipping``), which receives what it
+    reads as constructor arguments; the prepared objects live in one ``PreparedObjects``.
 
     Arguments left at their defaults are read from the launch environment (``ACCELERATE_MIXED_PRECISION``,
     ``ACCELERATE_USE_CPU``, ``ACCELERATE_USE_FSDP`` with ``FSDP_*``, ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, ...)
@@ -184,11 +192,9 @@ class Accelerator(
             )
         # Everything that can be checked without processes is checked before the strategy starts them.
         handlers = _fabric.split_handlers(kwargs_handlers)
-        self._adopt_handlers(handler_attributes(kwargs_handlers))
+        self._handlers = KwargsHandlers.of(kwargs_handlers)
         self.rng_types = check_rng_types(["generator"] if rng_types is None else rng_types)
-        self.log_with = resolve_trackers(log_with)
         self.device_placement = device_placement
-        self.dataloader_config = dataloader_config
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
@@ -214,20 +220,32 @@ class Accelerator(
             or GradientAccumulationPlugin(num_steps=settings.get("gradient_accumulation_steps", 1))
         )
         self.fabric = self._launch(settings, handlers)
-        self.trackers: list[GeneralTracker] = []
         self.step = 0
-        self._prepared = PreparedObjects()
-        # The mixins and the checkpoint code read the prepared objects by these names: the same lists.
-        self._models: list[AcceleratedModule] = self._prepared.models
-        self._optimizers: list[AcceleratedOptimizer] = self._prepared.optimizers
-        self._schedulers: list[AcceleratedScheduler] = self._prepared.schedulers
-        self._dataloaders: list[DataLoaderShard] = self._prepared.dataloaders
-        self._custom_objects: list[Any] = self._prepared.custom_objects
-        self._gradients = GradientClipping(self.fabric, self._strategy, self._prepared)
-        self._returned = ReturnedModels(self._strategy, self._prepared)
-        # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
-        self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._build_collaborators(dataloader_config, resolve_trackers(log_with))
+
+    def _build_collaborators(
+        self, dataloader_config: DataLoaderConfiguration, log_with: list[str | GeneralTracker]
+    ) -> None:
+        """Build the collaborators each topic's members delegate to (once the Fabric and its strategy exist)."""
+        fabric, strategy, state = self.fabric, self._strategy, self.state
+        self._prepared = prepared = PreparedObjects()
+        self._trigger = Trigger(state=state)
+        self._trackers = Trackers(log_with=log_with, project=self.project_configuration)
+        self._loaders = DataLoaders(config=dataloader_config, strategy=strategy, state=state, prepared=prepared)
+        self._mixed_precision = MixedPrecision(fabric=fabric, strategy=strategy, state=state, handlers=self._handlers)
+        self._parallelism = Parallelism(state=state, strategy=strategy)
+        init = self._handlers.init_handler
+        self._checkpoints = Checkpoints(
+            fabric=fabric,
+            strategy=strategy,
+            state=state,
+            prepared=prepared,
+            project=self.project_configuration,
+            precision=self._mixed_precision,
+            timeout=init.timeout if init is not None else None,
+        )
+        self._gradients = GradientClipping(fabric=fabric, strategy=strategy, prepared=prepared)
+        self._returned = ReturnedModels(strategy=strategy, prepared=prepared)
 
     def _launch(self, settings: dict[str, Any], handlers: dict[str, KwargsHandler]) -> Fabric:
         """Pick the distributed type, build and launch the Fabric, and record the processes in the shared state."""
@@ -237,7 +255,7 @@ class Accelerator(
         plugins = {name: settings.get(name) for name in plugin_names}
         dtype = _fabric.distributed_type(launch, device, plugins)
         mixed_precision = str(settings["mixed_precision"])
-        check_fp8_handlers(handler_attributes(list(handlers.values())), mixed_precision, dtype)
+        check_fp8_handlers(self._handlers, mixed_precision, dtype)
         fabric = _fabric.build_fabric(
             dtype, device, launch, mixed_precision=mixed_precision, handlers=handlers, plugins=plugins
         )
@@ -263,7 +281,6 @@ class Accelerator(
         return self.project_configuration.project_dir
 
     @property
-    @override
     def logging_dir(self) -> str | None:
         """Directory of file-based trackers."""
         return self.project_configuration.logging_dir
@@ -272,6 +289,380 @@ class Accelerator(
     def save_iteration(self) -> int:
         """Index of the next automatically named checkpoint."""
         return self.project_configuration.iteration
+
+    @property
+    def dataloader_config(self) -> DataLoaderConfiguration:
+        """How data loaders are prepared (seedable sampler, ``even_batches``, ...)."""
+        return self._loaders.config
+
+    @property
+    def split_batches(self) -> bool:
+        """``dataloader_config.split_batches``: each batch is split between the processes."""
+        return self._loaders.config.split_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        """``dataloader_config.dispatch_batches``: process 0 reads the batches and sends them out."""
+        return self._loaders.config.dispatch_batches
+
+    @property
+    def even_batches(self) -> bool:
+        """``dataloader_config.even_batches``: the last round is padded so every process gets as many batches."""
+        return self._loaders.config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        """Change ``even_batches`` for the loaders prepared from now on."""
+        self._loaders.config.even_batches = value
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        """``dataloader_config.use_seedable_sampler``."""
+        return self._loaders.config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        """``dataloader_config.non_blocking``: batches are copied to the device asynchronously."""
+        return self._loaders.config.non_blocking
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        """``dataloader_config.use_stateful_dataloader``: loaders are torchdata ``StatefulDataLoader`` s."""
+        return self._loaders.config.use_stateful_dataloader
+
+    # ---- kwargs handlers (Accelerate's attribute per handler, ``None`` where not given) ---------------------------
+
+    @property
+    def ddp_handler(self) -> DistributedDataParallelKwargs | None:
+        """The ``DistributedDataParallelKwargs`` among ``kwargs_handlers``."""
+        return self._handlers.ddp_handler
+
+    @property
+    def scaler_handler(self) -> GradScalerKwargs | None:
+        """The ``GradScalerKwargs`` among ``kwargs_handlers``."""
+        return self._handlers.scaler_handler
+
+    @property
+    def init_handler(self) -> InitProcessGroupKwargs | None:
+        """The ``InitProcessGroupKwargs`` among ``kwargs_handlers``."""
+        return self._handlers.init_handler
+
+    @property
+    def autocast_handler(self) -> AutocastKwargs | None:
+        """The ``AutocastKwargs`` among ``kwargs_handlers``."""
+        return self._handlers.autocast_handler
+
+    @property
+    def profile_handler(self) -> ProfileKwargs | None:
+        """The ``ProfileKwargs`` among ``kwargs_handlers``."""
+        return self._handlers.profile_handler
+
+    @property
+    def fp8_recipe_handler(self) -> FP8RecipeKwargs | None:
+        """The ``FP8RecipeKwargs`` among ``kwargs_handlers``."""
+        return self._handlers.fp8_recipe_handler
+
+    @property
+    def ao_recipe_handler(self) -> AORecipeKwargs | None:
+        """The ``AORecipeKwargs`` among ``kwargs_handlers``."""
+        return self._handlers.ao_recipe_handler
+
+    @property
+    def te_recipe_handler(self) -> TERecipeKwargs | None:
+        """The ``TERecipeKwargs`` among ``kwargs_handlers``."""
+        return self._handlers.te_recipe_handler
+
+    @property
+    def msamp_recipe_handler(self) -> None:
+        """Always ``None``: lightning_accel has no MS-AMP backend."""
+        return self._handlers.msamp_recipe_handler
+
+    # ---- processes -----------------------------------------------------------------------------------------------
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """The Accelerate type of the strategy in use."""
+        return self.state.distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        """``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``."""
+        return str(self.state.mixed_precision)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this process."""
+        return self.state.device
+
+    @property
+    def num_processes(self) -> int:
+        """Processes in the run."""
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        """The global rank of this process."""
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        """The rank of this process on its node."""
+        return self.state.local_process_index
+
+    @property
+    def use_distributed(self) -> bool:
+        """Whether several processes take part."""
+        return self.state.use_distributed
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is global rank 0."""
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this is rank 0 of its node."""
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        """Whether this is the highest global rank."""
+        return self.state.is_last_process
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process gets here."""
+        self.state.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` once per node."""
+        self.state.print(*args, **kwargs)
+
+    def main_process_first(self) -> AbstractContextManager[None]:
+        """Run the body on the main process first, then on the others."""
+        return self.state.main_process_first()
+
+    def local_main_process_first(self) -> AbstractContextManager[None]:
+        """Run the body on each node's main process first."""
+        return self.state.local_main_process_first()
+
+    def on_main_process(self, function: _F | None = None) -> Any:
+        """Decorate ``function`` to run on the global main process only (elsewhere it returns ``None``).
+
+        As in Accelerate it also decorates methods of an ``Accelerator`` subclass when used on the class
+        (``@Accelerator.on_main_process``), where the method itself arrives as ``self``.
+
+        Raises:
+            ValueError: When called on an ``Accelerator`` without a function.
+
+        """
+        return main_only(self, function, "on_main_process")
+
+    def on_local_main_process(self, function: _F | None = None) -> Any:
+        """Decorate ``function`` to run on each node's main process only (see :meth:`on_main_process`)."""
+        return main_only(self, function, "on_local_main_process")
+
+    def on_last_process(self, function: _F) -> _F:
+        """Decorate ``function`` to run on the last process only."""
+        return self.state.on_last_process(function)
+
+    def on_process(self, function: _F | None = None, process_index: int | None = None) -> Any:
+        """Decorate ``function`` to run on global rank ``process_index`` only."""
+        return self.state.on_process(function, process_index=process_index)
+
+    def on_local_process(self, function: _F | None = None, local_process_index: int | None = None) -> Any:
+        """Decorate ``function`` to run on local rank ``local_process_index`` of every node only."""
+        return self.state.on_local_process(function, local_process_index=local_process_index)
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> AbstractContextManager[Any]:
+        """Give this process its share of ``inputs`` as the context's value (see ``PartialState``)."""
+        return self.state.split_between_processes(inputs, apply_padding=apply_padding)
+
+    @property
+    def flag_tensor(self) -> torch.Tensor | None:
+        """The flag :meth:`set_trigger` raised on this process, ``None`` while it is down."""
+        return self._trigger.flag_tensor
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next :meth:`check_trigger` returns ``True`` on every process."""
+        self._trigger.set()
+
+    def check_trigger(self) -> bool:
+        """Whether any process called :meth:`set_trigger` since the last check (collective; resets the flags)."""
+        return self._trigger.check()
+
+    # ---- precision -----------------------------------------------------------------------------------------------
+
+    @property
+    def has_fp8_handler(self) -> bool:
+        """Whether an fp8 recipe was given, or (with ``mixed_precision='fp8'``) the precision plugin chose one."""
+        return self._mixed_precision.has_fp8_handler
+
+    @property
+    def fp8_enabled(self) -> bool:
+        """Whether the run trains in fp8 (``mixed_precision='fp8'``)."""
+        return self._mixed_precision.fp8_enabled
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        """The fp8 library: the recipe's, else the precision plugin's, else ``ACCELERATE_FP8_BACKEND`` (``NO``)."""
+        return self._mixed_precision.fp8_backend
+
+    @property
+    def delayed_fp8_autocast(self) -> bool:
+        """Whether Transformer Engine's fp8 autocast wraps the model after the strategy's wrapper (DDP, FSDP)."""
+        return self._mixed_precision.delayed_fp8_autocast
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 loss scaler of the precision plugin (``None`` without fp16, on CPU and under DeepSpeed)."""
+        return self._mixed_precision.scaler
+
+    @property
+    def native_amp(self) -> bool:
+        """Whether ``torch.autocast`` runs the forward (fp16/bf16/fp8 mixed precision outside DeepSpeed)."""
+        return self._mixed_precision.native_amp
+
+    # ---- parallelism ---------------------------------------------------------------------------------------------
+
+    @property
+    def parallelism_config(self) -> ParallelismConfig | None:
+        """The ``ParallelismConfig`` in use (with the sizes the processes fill in), ``None`` without one."""
+        return self._parallelism.parallelism_config
+
+    @property
+    def torch_device_mesh(self) -> DeviceMesh | None:
+        """The device mesh (Accelerate's dimension names), ``None`` without a ``parallelism_config``."""
+        return self.state.__dict__.get("device_mesh")
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether the model is sharded with FSDP2."""
+        return self.state.is_fsdp2
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        """Whether parallelisms compose on a mesh (FSDP2), as Accelerate answers."""
+        return self.state.is_fsdp2
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process takes part in saving the model.
+
+        With a ``parallelism_config`` every process does (Accelerate's answer), else the local main processes.
+        """
+        return self.parallelism_config is not None or self.state.is_local_main_process
+
+    @property
+    def multi_device(self) -> bool:
+        """Whether several processes train data parallel on accelerators (``MULTI_GPU``, ``MULTI_XPU``, ...)."""
+        backend = BACKEND_BY_TYPE.get(self.state.distributed_type)
+        device = backend.device_type if backend is not None else None
+        return self.state.use_distributed and device not in (None, "cpu", "xla")
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
+        """The active ``DeepSpeedPlugin``, ``None`` without DeepSpeed."""
+        return self.state.deepspeed_plugin
+
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The active DeepSpeed plugin's config (what the engine is built from).
+
+        Raises:
+            AttributeError: Outside a DeepSpeed run (Accelerate has no such attribute there either).
+
+        """
+        plugin = self.deepspeed_plugin
+        if plugin is None:
+            raise AttributeError(
+                "deepspeed_config exists only in DeepSpeed runs: pass"
+                " Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))."
+            )
+        return plugin.deepspeed_config
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """The coordinate of this process along ``tp`` (0 when ``tp_size == 1``).
+
+        Raises:
+            RuntimeError: Without a ``parallelism_config``.
+
+        """
+        return self._parallelism.mesh_rank("tp", "tp_enabled", "Tensor parallelism")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """The coordinate of this process along ``dp_replicate`` (0 without replication).
+
+        Raises:
+            RuntimeError: Without a ``parallelism_config``.
+
+        """
+        return self._parallelism.mesh_rank("dp_replicate", "dp_replicate_enabled", "Data parallelism")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """The coordinate of this process along ``dp_shard`` (0 without sharding).
+
+        Raises:
+            RuntimeError: Without a ``parallelism_config``.
+
+        """
+        return self._parallelism.mesh_rank("dp_shard", "dp_shard_enabled", "Shard-based data parallelism")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Not available, as in Accelerate 1.15.
+
+        Raises:
+            NotImplementedError: Always.
+
+        """
+        raise NotImplementedError("Context parallelism is currently not supported in Accelerate.")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """Not available, as in Accelerate 1.15.
+
+        Raises:
+            NotImplementedError: Always.
+
+        """
+        raise NotImplementedError("Pipeline parallelism is currently not supported in Accelerate.")
+
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> AbstractContextManager[None]:
+        """Shard ``buffers`` along their sequence dimensions over ``cp`` inside the block (``cp_size > 1``).
+
+        Without context parallelism the block runs unchanged, with a warning (once), as in Accelerate.
+        """
+        return self._parallelism.maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers)
+
+    # ---- the prepared objects, read-only under Accelerate's names (its tests and transformers read them) ----------
+
+    @property
+    def _models(self) -> list[AcceleratedModule]:
+        return self._prepared.models
+
+    @property
+    def _optimizers(self) -> list[AcceleratedOptimizer]:
+        return self._prepared.optimizers
+
+    @property
+    def _schedulers(self) -> list[AcceleratedScheduler]:
+        return self._prepared.schedulers
+
+    @property
+    def _dataloaders(self) -> list[DataLoaderShard]:
+        return self._prepared.dataloaders
+
+    @property
+    def _custom_objects(self) -> list[Any]:
+        return self._prepared.custom_objects
 
     # ---- prepare -------------------------------------------------------------------------------------------------
 
@@ -304,7 +695,7 @@ class Accelerator(
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_models_and_optimizers(self, objects: list[Any], placement: list[bool]) -> None:
-        _module.reuse_prepared(objects, self._models)  # a module prepared before gets the wrapper it got then
+        _module.reuse_prepared(objects, self._prepared.models)  # a module prepared before gets the wrapper it got then
         models = [i for i, obj in enumerate(objects) if isinstance(obj, Module) and not self._returned.is_prepared(obj)]
         optimizers = [i for i, obj in enumerate(objects) if _is_raw_optimizer(obj)]
         for i in models:
@@ -330,7 +721,7 @@ class Accelerator(
 
     def _register_model(self, objects: list[Any], index: int, model: _FabricModule) -> None:
         adopted = AcceleratedModule.adopt(model)
-        self._models.append(adopted)
+        self._prepared.models.append(adopted)
         objects[index] = self._returned.returned(adopted)
 
     def _register_optimizer(self, optimizer: Optimizer, device_placement: bool) -> AcceleratedOptimizer:
@@ -342,7 +733,7 @@ class Accelerator(
             if engine
             else AcceleratedOptimizer(optimizer, place, precision=strategy.precision, plain_step=plain)
         )
-        self._optimizers.append(wrapped)
+        self._prepared.optimizers.append(wrapped)
         return wrapped
 
     def prepare_model(
@@ -357,7 +748,7 @@ class Accelerator(
             return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
         place = self.device_placement if device_placement is None else device_placement
         prepared = evaluation_module(model, self.fabric.strategy, self.device if place else None, self._dynamo_plugin)
-        self._models.append(prepared)
+        self._prepared.models.append(prepared)
         return prepared
 
     def verify_device_map(self, model: Module) -> bool:
@@ -370,12 +761,51 @@ class Accelerator(
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so it steps with its prepared optimizer (a ``DummyScheduler``: the engine's)."""
-        optimizers = [opt for opt in self._optimizers if raw_optimizer(opt) is scheduler.optimizer]
-        wrapped = _engine_step.engine_scheduler(self._strategy, scheduler, self._optimizers) or (
+        optimizers = [opt for opt in self._prepared.optimizers if raw_optimizer(opt) is scheduler.optimizer]
+        wrapped = _engine_step.engine_scheduler(self._strategy, scheduler, self._prepared.optimizers) or (
             AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches)
         )
-        self._schedulers.append(wrapped)
+        self._prepared.schedulers.append(wrapped)
         return wrapped
+
+    def prepare_data_loader(
+        self,
+        data_loader: DataLoader,
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Callable[..., Any] | None = None,
+    ) -> DataLoaderShard:
+        """Shard ``data_loader`` for this process as :attr:`dataloader_config` says.
+
+        See :func:`lightning_accel.data_loader.prepare_data_loader`; ``slice_fn_for_dispatch`` slices dispatched
+        batches (``dispatch_batches``). A loader prepared already is returned as it is.
+        """
+        place = self.device_placement if device_placement is None else device_placement
+        return self._loaders.prepare(
+            data_loader, device_placement=place, rng_types=self.rng_types, slice_fn_for_dispatch=slice_fn_for_dispatch
+        )
+
+    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
+        """A copy of a prepared loader that skips its first ``num_batches`` batches."""
+        return _skip_first_batches(dataloader, num_batches)
+
+    def join_uneven_inputs(
+        self, joinables: Sequence[Any], even_batches: bool | None = None
+    ) -> AbstractContextManager[None]:
+        """Let processes with fewer batches drop out of gradient synchronisation instead of hanging (DDP only).
+
+        Inside the block, torch's ``Join`` shadows the collectives of processes that ran out of batches. It is on
+        when the loaders are uneven (``even_batches=False``); ``even_batches`` overrides the setting of the map-style
+        loaders prepared so far for the duration of the block. Elsewhere than DDP it warns and has no effect.
+
+        Args:
+            joinables: Prepared models (and other ``torch.distributed.algorithms.Joinable`` objects).
+            even_batches: Temporarily pad (``True``) or not (``False``) the prepared map-style loaders.
+
+        Raises:
+            TypeError: If an object cannot join (e.g. a plain optimizer), naming it.
+
+        """
+        return self._loaders.join_uneven_inputs(joinables, even_batches)
 
     # ---- the training step ---------------------------------------------------------------------------------------
 
@@ -403,7 +833,7 @@ class Accelerator(
         """
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive integer, got {value!r}.")
-        if self._models and self._strategy.engine_steps_in_backward:
+        if self._prepared.models and self._strategy.engine_steps_in_backward:
             raise ValueError(
                 "The DeepSpeed engine fixed its accumulation steps in prepare: set them before, in"
                 " Accelerator(gradient_accumulation_steps=...) or the DeepSpeed config."
@@ -416,7 +846,7 @@ class Accelerator(
         Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
         With a LOMO optimizer prepared, ``learning_rate=`` runs its fused backward (:meth:`lomo_backward`).
         """
-        models = self._models
+        models = self._prepared.models
         if not models:
             _module.check_backward_after_prepare(models)
         steps = self.gradient_state.num_steps
@@ -434,7 +864,7 @@ class Accelerator(
         model = models[0] if len(models) == 1 else None
         with self._strategy.step_boundary(self.sync_gradients):
             self.fabric.backward(loss, model=model, **kwargs)
-        _engine_step.step_after_backward(self._strategy, self._optimizers, self.sync_gradients)
+        _engine_step.step_after_backward(self._strategy, self._prepared.optimizers, self.sync_gradients)
 
     def _do_sync(self) -> bool:
         """Count the micro-step and decide whether it synchronises; returns (and records) the decision."""
@@ -514,7 +944,7 @@ class Accelerator(
     @property
     def has_lomo_optimizer(self) -> bool:
         """Whether a prepared optimizer is a LOMO optimizer."""
-        return _lomo.has_lomo_optimizer(self._optimizers)
+        return _lomo.has_lomo_optimizer(self._prepared.optimizers)
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """Backpropagate ``loss`` through every prepared LOMO optimizer, which updates the parameters on the way.
@@ -524,7 +954,7 @@ class Accelerator(
             ValueError: Without a learning rate, or when no prepared optimizer is a LOMO optimizer.
 
         """
-        _lomo.lomo_backward(self._optimizers, loss, learning_rate)
+        _lomo.lomo_backward(self._prepared.optimizers, loss, learning_rate)
 
     @contextmanager
     def profile(self, profile_handler: ProfileKwargs | None = None) -> Generator[torch.profiler.profile, None, None]:
@@ -576,7 +1006,210 @@ class Accelerator(
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether an optimizer skipped its last step (fp16 overflow)."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
+        return any(opt.step_was_skipped for opt in self._prepared.optimizers)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore ``objects`` (each with ``state_dict``/``load_state_dict``) in ``save_state``/``load_state``.
+
+        Raises:
+            ValueError: Naming the objects that lack either method.
+
+        """
+        self._checkpoints.register_for_checkpointing(*objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(models, weights, output_dir)`` in ``save_state`` before the weights are written.
+
+        The hook may pop entries from ``weights`` (and ``models``) to save them its own way.
+        """
+        return self._checkpoints.register_save_state_pre_hook(hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(models, input_dir)`` in ``load_state`` before the weights are loaded (it may pop models)."""
+        return self._checkpoints.register_load_state_pre_hook(hook)
+
+    def get_state_dict(self, model: Module, unwrap: bool = True) -> dict[str, Any]:
+        """The model's full state dict (on every process, or on the main process only for sharded weights).
+
+        Sharded weights are gathered to the main process's CPU, as Accelerate does under FSDP and DeepSpeed ZeRO-3;
+        the other processes get ``{}`` (collective: every process calls it). ZeRO-3 needs
+        ``DeepSpeedPlugin(zero3_save_16bit_model=True)``, as in Accelerate.
+
+        With ``unwrap=False`` it is the strategy-wrapped module's own state dict (DDP keys keep ``module.``).
+
+        Raises:
+            ValueError: Under ZeRO-3 without ``zero3_save_16bit_model``.
+
+        """
+        return self._checkpoints.get_state_dict(model, unwrap)
+
+    def save_model(
+        self,
+        model: Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the model's weights: ``model.safetensors``, or shards and an index past ``max_shard_size``.
+
+        File names and the index are Accelerate's (Hugging Face's), so ``from_pretrained``-style loaders read them.
+        The arguments are checked on every process before any collective, and an error while the main process
+        writes is raised on every process (none is left waiting). Replicated weights (one device, DDP) may be saved
+        from the main process alone, as in Accelerate; sharded ones (FSDP, DeepSpeed ZeRO-3) need every process.
+
+        Raises:
+            TypeError: For a ``model`` that is not a module, or a non-boolean ``safe_serialization``.
+            ValueError: For a ``save_directory`` that is a file, or a ``max_shard_size`` that is not a positive size.
+
+        """
+        self._checkpoints.save_model(model, save_directory, max_shard_size, safe_serialization)
+
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """Save ``obj`` once (per node with ``save_on_each_node``); see :func:`lightning_accel.utils.other.save`."""
+        self._checkpoints.save(obj, f, safe_serialization)
+
+    def save_state(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> str:
+        """Save models, optimizers, schedulers, RNG states and registered objects with Accelerate's file names.
+
+        Under FSDP and DeepSpeed the engine writes the models and optimizers (sharded or gathered, by the plugin);
+        ``save_model_func_kwargs`` go to DeepSpeed's ``save_checkpoint``. Returns the checkpoint directory. See
+        :func:`lightning_accel.checkpointing.save_state`.
+
+        Where the state is replicated (one device, DDP), a save into ``output_dir`` is Accelerate's call from any
+        subset of the processes: nothing waits for another process, so ``if accelerator.is_main_process:
+        accelerator.save_state(dir)`` works; the main process (each node's with ``save_on_each_node``) writes the
+        shared files, every calling process its random states. Where each process holds a shard (FSDP, DeepSpeed),
+        or with automatic naming (Accelerate waits for every process there too), every process must call it; one that
+        does not is named in an error within the process group's timeout, instead of a hang.
+
+        Unlike Accelerate's, the save is atomic: files are written into ``.<name>.incomplete`` beside the folder,
+        which gets its name once complete; old folders are rotated out only then. See
+        :mod:`lightning_accel.checkpoint.folders`. With ``save_on_each_node`` on node-local disks and a sharded
+        state, each node is first sent the files it lacks (other nodes' shards, the metadata written on the main
+        process only), so every node's folder is a whole checkpoint; see :mod:`lightning_accel.checkpoint.node_copies`.
+        A process that names another ``output_dir`` than the main process's gets its own random states and loader
+        states there, as Accelerate has every process write them.
+        """
+        return self._checkpoints.save_state(
+            output_dir, safe_serialization, step=self.step, engine_kwargs=save_model_func_kwargs
+        )
+
+    @overload
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        *,
+        missing_ok: Literal[False] = False,
+        resume_position: bool = False,
+        **load_model_func_kwargs: Any,
+    ) -> str: ...
+
+    @overload
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        *,
+        missing_ok: bool,
+        resume_position: bool = False,
+        **load_model_func_kwargs: Any,
+    ) -> str | None: ...
+
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        *,
+        missing_ok: bool = False,
+        resume_position: bool = False,
+        **load_model_func_kwargs: Any,
+    ) -> str | None:
+        """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.
+
+        ``load_kwargs`` go to the ``torch.load`` of the optimizer, scheduler and loader files, and
+        ``load_model_func_kwargs`` to DeepSpeed's ``load_checkpoint``. With ``missing_ok=True`` (not in Accelerate),
+        nothing to load (no ``input_dir`` folder; with automatic naming, no ``checkpoint_<i>`` yet) returns ``None``
+        instead of raising.
+
+        Each prepared data loader gets back its epoch (Accelerate restores none), and its next iteration starts at
+        the epoch's first batch, as Accelerate's: the loop skips the batches it already trained on itself
+        (``skip_first_batches``, or ``continue`` while ``step < resume_step`` as diffusers' scripts do). With
+        ``resume_position=True`` (not in Accelerate) the loaders also resume at the batch they had reached, for a
+        loop that does not skip: one ``accelerator.load_state(missing_ok=True, resume_position=True)`` before such a
+        loop starts a fresh run and resumes one that ``lightning-accel launch --max_restarts N`` restarted exactly.
+        ``skip_first_batches`` after a ``resume_position=True`` load skips from the epoch's first batch too.
+        """
+        restored = self._checkpoints.load_state(
+            input_dir,
+            load_kwargs,
+            missing_ok=missing_ok,
+            resume_position=resume_position,
+            engine_kwargs=load_model_func_kwargs,
+        )
+        if restored is None:
+            return None
+        if restored.step is not None:
+            self.step = restored.step
+        return restored.folder
+
+    # ---- trackers ------------------------------------------------------------------------------------------------
+
+    @property
+    def log_with(self) -> list[str | GeneralTracker]:
+        """The trackers :meth:`init_trackers` starts (names and objects)."""
+        return self._trackers.log_with
+
+    @property
+    def trackers(self) -> list[GeneralTracker]:
+        """The trackers started on this process (none but on the main process), finished ones included."""
+        return self._trackers.started
+
+    def init_trackers(
+        self,
+        project_name: str,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Start every tracker of ``log_with`` (on the main process) and store ``config`` in each.
+
+        Args:
+            project_name: The run's project (wandb project, MLflow experiment, TensorBoard sub-directory).
+            config: Hyperparameters to record.
+            init_kwargs: Per tracker name, keyword arguments for its constructor (e.g. ``{"wandb": {"dir": ...}}``).
+
+        Raises:
+            ValueError: On every process, if a tracker needs a logging directory and none is configured.
+            TypeError: On every process, if ``init_kwargs`` does not map names to dictionaries or a tracker's
+                constructor does not take its keywords.
+
+        """
+        self._trackers.init_trackers(project_name, config, init_kwargs)
+
+    def log(
+        self,
+        values: Mapping[str, Any],
+        step: int | None = None,
+        log_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Log ``values`` to every started tracker (on the main process)."""
+        self._trackers.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker called ``name`` (its underlying object with ``unwrap``); a no-op tracker elsewhere.
+
+        Raises:
+            ValueError: On the main process, when no tracker has that name.
+
+        """
+        return self._trackers.get_tracker(name, unwrap)
 
     # ---- collectives ---------------------------------------------------------------------------------------------
 
@@ -623,7 +1256,7 @@ class Accelerator(
 
     def end_training(self) -> None:
         """Finish the run: close the trackers, destroy the process group (not one a ``debug_launcher`` owns)."""
-        self._finish_trackers()
+        self._trackers.finish()
         self.state.destroy_process_group()
 
 
@@ -634,16 +1267,16 @@ class _Accumulation:
     contexts are held until it exits.
     """
 
-    __slots__ = ("_accelerator", "_models", "_no_sync")
+    __slots__ = ("_accelerator", "_no_sync", "_targets")
 
     def __init__(self, accelerator: Accelerator, models: tuple[Module, ...]) -> None:
         self._accelerator = accelerator
-        self._models = models
+        self._targets = models
         self._no_sync: ExitStack | None = None
 
     def __enter__(self) -> None:
         accelerator = self._accelerator
-        models: Sequence[Module] = self._models
+        models: Sequence[Module] = self._targets
         for model in models:
             if not isinstance(model, _FabricModule):  # a DeepSpeed engine or a plain module: find its wrapper
                 models = self._prepared()
@@ -667,8 +1300,8 @@ class _Accumulation:
     def _prepared(self) -> list[Module]:
         """Fabric's wrappers of the models (a DeepSpeed engine's, a plain module's); refuses one never prepared."""
         accelerator = self._accelerator
-        engines_unwrapped = [accelerator._returned.wrapper_of(model) for model in self._models]
-        return _module.prepared_models(engines_unwrapped, accelerator._models)
+        engines_unwrapped = [accelerator._returned.wrapper_of(model) for model in self._targets]
+        return _module.prepared_models(engines_unwrapped, accelerator._prepared.models)
 
 
 def _is_raw_optimizer(obj: Any) -> bool:

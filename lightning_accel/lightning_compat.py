@@ -22,10 +22,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 if TYPE_CHECKING:
+    import torch
+    from deepspeed import DeepSpeedEngine
+    from fsspec import AbstractFileSystem
+    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+    from lightning.fabric.strategies import Strategy as FabricStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+    from lightning.fabric.wrappers import _FabricModule
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loops import _FitLoop, _TrainingEpochLoop
+    from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
+    from lightning.pytorch.plugins.layer_sync import LayerSync
+    from lightning.pytorch.strategies import (
+        DeepSpeedStrategy,
+        ModelParallelStrategy,
+        Strategy,
+    )
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+    from torch import Tensor
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.nn import Module
+    from torch.optim import Optimizer
+
+    _ZeroGradFactory = Callable[[int, Optimizer], Callable[[], None] | None]
+    _Parallelize = Callable[[Module, DeviceMesh], Module]
 
 __all__ = [
     "LIGHTNING_PRIVATES_ATTRIBUTE",
@@ -49,7 +77,6 @@ __all__ = [
     "get_parallel_devices",
     "get_parallelize_fn",
     "get_register_backward_hook",
-    "get_root_device",
     "get_should_accumulate",
     "get_strategy",
     "get_trainer",
@@ -95,7 +122,7 @@ def missing_private_error(target: object, name: str) -> RuntimeError:
     )
 
 
-def lightning_private(target: object, name: str) -> Any:
+def lightning_private(target: object, name: str) -> object:
     """``getattr(target, name)`` for a private Lightning member, checked to exist.
 
     Args:
@@ -112,7 +139,7 @@ def lightning_private(target: object, name: str) -> Any:
         raise missing_private_error(target, name) from None
 
 
-def set_lightning_private(target: object, name: str, value: Any) -> None:
+def set_lightning_private(target: object, name: str, value: object) -> None:
     """``setattr(target, name, value)`` for a private Lightning member that ``target`` must already have.
 
     Lightning sets the member (usually in its ``__init__``); replacing one it no longer has would create an attribute
@@ -142,8 +169,7 @@ def fabric_forward_module(model: Module) -> Module:
 
     if not isinstance(model, _FabricModule):
         return model
-    inner: Module = lightning_private(model, "_forward_module")
-    return inner
+    return cast("Module", lightning_private(model, "_forward_module"))
 
 
 def _lightning_bases(cls: type) -> list[type]:
@@ -209,151 +235,148 @@ def declared_lightning_privates(cls: type) -> frozenset[str]:
 # One named accessor per private Lightning member lightning_accel reads or writes (checked, see above).
 
 
-def get_accelerator_connector(target: Any) -> Any:
+def get_accelerator_connector(target: Trainer) -> _AcceleratorConnector:
     """Its accelerator connector: ``_accelerator_connector`` of a Trainer."""
-    return lightning_private(target, "_accelerator_connector")
+    return cast("_AcceleratorConnector", lightning_private(target, "_accelerator_connector"))
 
 
-def get_backward_sync_control(target: Any) -> Any:
+def get_backward_sync_control(target: FabricStrategy) -> _BackwardSyncControl | None:
     """Its backward-sync control (``None`` where it has none): ``_backward_sync_control`` of a Fabric strategy."""
-    return lightning_private(target, "_backward_sync_control")
+    return cast("_BackwardSyncControl | None", lightning_private(target, "_backward_sync_control"))
 
 
-def get_checkpoint_connector(target: Any) -> Any:
+def get_checkpoint_connector(target: Trainer) -> _CheckpointConnector:
     """Its checkpoint connector: ``_checkpoint_connector`` of a Trainer."""
-    return lightning_private(target, "_checkpoint_connector")
+    return cast("_CheckpointConnector", lightning_private(target, "_checkpoint_connector"))
 
 
-def get_config_initialized(target: Any) -> Any:
+def get_config_initialized(target: FabricDeepSpeedStrategy | DeepSpeedStrategy) -> bool:
     """Whether its DeepSpeed config is filled: ``_config_initialized`` of a DeepSpeed strategy."""
-    return lightning_private(target, "_config_initialized")
+    return cast("bool", lightning_private(target, "_config_initialized"))
 
 
-def get_data_source(target: Any) -> Any:
+def get_data_source(target: _FitLoop) -> _DataLoaderSource:
     """Its data source: ``_data_source`` of a fit loop."""
-    return lightning_private(target, "_data_source")
+    return cast("_DataLoaderSource", lightning_private(target, "_data_source"))
 
 
-def get_deepspeed_engine(target: Any) -> Any:
+def get_deepspeed_engine(target: FabricDeepSpeedStrategy) -> DeepSpeedEngine | None:
     """Its DeepSpeed engine: ``_deepspeed_engine`` of a Fabric DeepSpeed strategy."""
-    return lightning_private(target, "_deepspeed_engine")
+    return cast("DeepSpeedEngine | None", lightning_private(target, "_deepspeed_engine"))
 
 
-def get_device_mesh(target: Any) -> Any:
+def get_device_mesh(target: FabricModelParallelStrategy | ModelParallelStrategy | LightningModule) -> DeviceMesh:
     """Its device mesh: ``_device_mesh`` of a ModelParallel strategy or LightningModule."""
-    return lightning_private(target, "_device_mesh")
+    return cast("DeviceMesh", lightning_private(target, "_device_mesh"))
 
 
-def get_every_n_epochs(target: Any) -> Any:
+def get_every_n_epochs(target: ModelCheckpoint) -> int:
     """Its epoch interval: ``_every_n_epochs`` of a ModelCheckpoint."""
-    return lightning_private(target, "_every_n_epochs")
+    return cast("int", lightning_private(target, "_every_n_epochs"))
 
 
-def get_every_n_train_steps(target: Any) -> Any:
+def get_every_n_train_steps(target: ModelCheckpoint) -> int:
     """Its step interval: ``_every_n_train_steps`` of a ModelCheckpoint."""
-    return lightning_private(target, "_every_n_train_steps")
+    return cast("int", lightning_private(target, "_every_n_train_steps"))
 
 
-def get_forward_redirection(target: Any) -> Any:
+def get_forward_redirection(target: Strategy) -> _ForwardRedirection:
     """Its forward redirection: ``_forward_redirection`` of a Trainer strategy."""
-    return lightning_private(target, "_forward_redirection")
+    return cast("_ForwardRedirection", lightning_private(target, "_forward_redirection"))
 
 
-def get_in_fabric_backward(target: Any) -> Any:
+def get_in_fabric_backward(target: ModuleType) -> bool:
     """Whether Fabric's backward is running: ``_in_fabric_backward`` of ``lightning.fabric.wrappers``."""
-    return lightning_private(target, "_in_fabric_backward")
+    return cast("bool", lightning_private(target, "_in_fabric_backward"))
 
 
-def get_last_global_step_saved(target: Any) -> Any:
+def get_last_global_step_saved(target: ModelCheckpoint) -> int:
     """The global step it last saved at: ``_last_global_step_saved`` of a ModelCheckpoint."""
-    return lightning_private(target, "_last_global_step_saved")
+    return cast("int", lightning_private(target, "_last_global_step_saved"))
 
 
-def get_layer_sync(target: Any) -> Any:
+def get_layer_sync(target: Strategy) -> LayerSync | None:
     """Its layer sync (sync batch-norm) plugin: ``_layer_sync`` of a Trainer strategy."""
-    return lightning_private(target, "_layer_sync")
+    return cast("LayerSync | None", lightning_private(target, "_layer_sync"))
 
 
-def get_make_zero_grad_fn(target: Any) -> Any:
+def get_make_zero_grad_fn(target: _AutomaticOptimization) -> _ZeroGradFactory:
     """Its zero-grad function factory: ``_make_zero_grad_fn`` of an optimization loop."""
-    return lightning_private(target, "_make_zero_grad_fn")
+    return cast("_ZeroGradFactory", lightning_private(target, "_make_zero_grad_fn"))
 
 
-def get_original_module(target: Any) -> Any:
+def get_original_module(target: _FabricModule) -> Module:
     """The module the user passed to Fabric: ``_original_module`` of a ``_FabricModule``."""
-    return lightning_private(target, "_original_module")
+    return cast("Module", lightning_private(target, "_original_module"))
 
 
-def get_parallel_devices(target: Any) -> Any:
+def get_parallel_devices(target: _AcceleratorConnector) -> list[torch.device | int]:
     """Its parallel devices: ``_parallel_devices`` of an accelerator connector."""
-    return lightning_private(target, "_parallel_devices")
+    return cast("list[torch.device | int]", lightning_private(target, "_parallel_devices"))
 
 
-def get_parallelize_fn(target: Any) -> Any:
+def get_parallelize_fn(target: FabricModelParallelStrategy | ModelParallelStrategy) -> _Parallelize:
     """Its parallelize function: ``_parallelize_fn`` of a Fabric ModelParallel strategy."""
-    return lightning_private(target, "_parallelize_fn")
+    return cast("_Parallelize", lightning_private(target, "_parallelize_fn"))
 
 
-def get_register_backward_hook(target: Any) -> Any:
+def get_register_backward_hook(target: _FabricModule) -> Callable[[Tensor], Tensor]:
     """Its backward-hook registration function: ``_register_backward_hook`` of a ``_FabricModule``."""
-    return lightning_private(target, "_register_backward_hook")
+    return cast("Callable[[Tensor], Tensor]", lightning_private(target, "_register_backward_hook"))
 
 
-def get_root_device(target: Any) -> Any:
-    """Its root device: ``_root_device`` of a single-device strategy."""
-    return lightning_private(target, "_root_device")
-
-
-def get_should_accumulate(target: Any) -> Any:
+def get_should_accumulate(target: _FitLoop | _TrainingEpochLoop) -> Callable[[], bool]:
     """Its should-accumulate predicate: ``_should_accumulate`` of a training epoch loop."""
-    return lightning_private(target, "_should_accumulate")
+    return cast("Callable[[], bool]", lightning_private(target, "_should_accumulate"))
 
 
-def get_strategy(target: Any) -> Any:
+def get_strategy(target: _FabricModule) -> FabricStrategy:
     """Its strategy: ``_strategy`` of a ``_FabricModule``."""
-    return lightning_private(target, "_strategy")
+    return cast("FabricStrategy", lightning_private(target, "_strategy"))
 
 
-def get_trainer(target: Any) -> Any:
+def get_trainer(target: LightningModule) -> Trainer | None:
     """Its trainer (``None`` outside a Trainer): ``_trainer`` of a LightningModule."""
-    return lightning_private(target, "_trainer")
+    return cast("Trainer | None", lightning_private(target, "_trainer"))
 
 
-def set_backward_sync_control(target: Any, value: Any) -> None:
+def set_backward_sync_control(target: FabricStrategy, value: _BackwardSyncControl) -> None:
     """Replace its backward-sync control (``_backward_sync_control``, which ``target`` must already have)."""
     set_lightning_private(target, "_backward_sync_control", value)
 
 
-def set_config_initialized(target: Any, value: Any) -> None:
+def set_config_initialized(target: FabricDeepSpeedStrategy | DeepSpeedStrategy, value: bool) -> None:
     """Replace whether its DeepSpeed config is filled (``_config_initialized``, which ``target`` must already have)."""
     set_lightning_private(target, "_config_initialized", value)
 
 
-def set_device_mesh(target: Any, value: Any) -> None:
+def set_device_mesh(
+    target: FabricModelParallelStrategy | ModelParallelStrategy | LightningModule, value: DeviceMesh | None
+) -> None:
     """Replace its device mesh (``_device_mesh``, which ``target`` must already have)."""
     set_lightning_private(target, "_device_mesh", value)
 
 
-def set_fs(target: Any, value: Any) -> None:
+def set_fs(target: ModelCheckpoint, value: AbstractFileSystem) -> None:
     """Replace its filesystem (``_fs``, which ``target`` must already have)."""
     set_lightning_private(target, "_fs", value)
 
 
-def set_last_checkpoint_saved(target: Any, value: Any) -> None:
+def set_last_checkpoint_saved(target: ModelCheckpoint, value: str) -> None:
     """Replace the path it last saved (``_last_checkpoint_saved``, which ``target`` must already have)."""
     set_lightning_private(target, "_last_checkpoint_saved", value)
 
 
-def set_last_global_step_saved(target: Any, value: Any) -> None:
+def set_last_global_step_saved(target: ModelCheckpoint, value: int) -> None:
     """Replace the global step it last saved at (``_last_global_step_saved``, which ``target`` must already have)."""
     set_lightning_private(target, "_last_global_step_saved", value)
 
 
-def set_process_group_backend(target: Any, value: Any) -> None:
+def set_process_group_backend(target: object, value: str) -> None:
     """Replace its process-group backend (``_process_group_backend``, which ``target`` must already have)."""
     set_lightning_private(target, "_process_group_backend", value)
 
 
-def set_root_device(target: Any, value: Any) -> None:
+def set_root_device(target: object, value: torch.device) -> None:
     """Replace its root device (``_root_device``, which ``target`` must already have)."""
     set_lightning_private(target, "_root_device", value)

@@ -92,7 +92,7 @@ class AcceleratedOptimizer(Optimizer):
         scaler: A ``torch.amp.GradScaler`` to step through (the ``Accelerator`` passes ``precision`` instead).
         precision: The precision plugin, asked whether the last step was skipped (fp16 overflow).
         plain_step: The strategy and precision plugin add nothing to the step (see
-            :func:`lightning_accel._shim.module.plain_optimizer_step`): step the user's optimizer directly.
+            :func:`lightning_accel._accelerator.module.plain_optimizer_step`): step the user's optimizer directly.
         engine_steps: The engine steps inside ``Accelerator.backward`` (DeepSpeed): ``step``/``zero_grad`` are no-ops.
 
     """

@@ -12,7 +12,6 @@ from lightning_accel.tracking.base import GeneralTracker, on_main_process
 from lightning_accel.tracking.clearml import ClearMLTracker
 from lightning_accel.tracking.comet import CometMLTracker
 from lightning_accel.tracking.dvclive import DVCLiveTracker
-from lightning_accel.tracking.mixin import TrackingMixin
 from lightning_accel.tracking.mlflow import MLflowTracker
 from lightning_accel.tracking.registry import (
     LOGGER_TYPE_TO_CLASS,
@@ -36,7 +35,6 @@ __all__ = [
     "MLflowTracker",
     "SwanLabTracker",
     "TensorBoardTracker",
-    "TrackingMixin",
     "TrackioTracker",
     "WandBTracker",
     "filter_trackers",

@@ -112,7 +112,7 @@ def sender_failure_case(root: Path, rank: int) -> dict[str, Any]:
 
 def save_state_case(root: Path) -> dict[str, Any]:
     from lightning_accel import Accelerator
-    from lightning_accel._shim import checkpoint_control
+    from lightning_accel._accelerator import checkpoints as checkpoint_control
     from lightning_accel.config import ProjectConfiguration
     from lightning_accel.utils import FullyShardedDataParallelPlugin
 

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         # callbacks, and the Accelerator shim with its public modules at Accelerate's paths
         "callbacks",
         "accelerator",
-        "_shim",
+        "_accelerator",
         "data_loader",
         "optimizer",
         "scheduler",
@@ -275,9 +275,66 @@ def test_the_shim_internals_are_used_by_the_shim_only() -> None:
         for module, targets in _graph().items()
         if module.count(".") and _layer(module) not in SHIM
         for target in targets
-        if _layer(target) == "_shim"
+        if _layer(target) == "_accelerator"
     )
     assert outside == []
+
+
+_FIELD_CLASSES = ("dataclass", "NamedTuple", "Protocol", "TypedDict")
+_PREPARED_LISTS = frozenset({"_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects"})
+
+
+def _host_declarations(tree: ast.AST) -> Iterator[str]:
+    """Where a class declares attributes it expects its host to have: a bare annotation, a ``TYPE_CHECKING`` stub.
+
+    Classes whose annotations are their fields (dataclasses, named tuples, protocols, typed dicts) are exempt.
+    """
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        marks = [ast.unparse(d) for d in node.decorator_list] + [ast.unparse(b) for b in node.bases]
+        if any(mark.split("(")[0].rsplit(".", 1)[-1] in _FIELD_CLASSES for mark in marks):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign) and item.value is None:
+                yield f"{node.name} line {item.lineno}: {ast.unparse(item)}"
+            if isinstance(item, ast.If) and "TYPE_CHECKING" in ast.unparse(item.test):
+                yield f"{node.name} line {item.lineno}: a TYPE_CHECKING block"
+
+
+def _prepared_list_reads(tree: ast.AST) -> Iterator[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _PREPARED_LISTS:
+            yield f"line {node.lineno}: {ast.unparse(node)}"
+
+
+def _shim_sources() -> Iterator[tuple[str, ast.AST]]:
+    for module, path in _modules().items():
+        if module.count(".") and _layer(module) in ("accelerator", "_accelerator"):
+            yield module, ast.parse(path.read_text(encoding="utf-8"))
+
+
+def test_the_accelerator_collaborators_take_their_state_explicitly() -> None:
+    """The ``Accelerator`` and its collaborators declare no attribute of a host (issue 34): each collaborator gets
+    what it reads as constructor arguments, and the prepared objects are read through ``PreparedObjects`` only (the
+    ``Accelerator``'s read-only ``_models``-style properties exist for Accelerate's tests and are defined, not read).
+    """
+    declared = sorted(f"{module} {found}" for module, tree in _shim_sources() for found in _host_declarations(tree))
+    assert declared == []
+    reads = sorted(f"{module} {found}" for module, tree in _shim_sources() for found in _prepared_list_reads(tree))
+    assert reads == []
+
+
+def test_the_collaborator_rules_find_what_they_forbid() -> None:
+    source = (
+        "class Mixin:\n    fabric: Fabric\n    if TYPE_CHECKING:\n        def save(self) -> None: ...\n"
+        "@dataclass\nclass Fields:\n    models: list[int]\n"  # a dataclass's fields: allowed
+        "class Owner:\n    limit: int = 3\n"  # a class attribute with a value: allowed
+        "x = self._models\n"
+    )
+    tree = ast.parse(source)
+    assert [found.split(":")[0] for found in _host_declarations(tree)] == ["Mixin line 2", "Mixin line 3"]
+    assert [found.split(":")[0] for found in _prepared_list_reads(tree)] == ["line 10"]
 
 
 # Modules of utils/ that accelerate.utils does not have, waiting for their place (issue 22). Empty: keep it so.
@@ -304,7 +361,7 @@ def test_at_most_one_private_module_at_the_package_root() -> None:
 def test_the_graph_sees_every_kind_of_import() -> None:
     """Guard against a reader that finds nothing: a known edge of each kind is present."""
     graph = _graph()
-    assert "lightning_accel._shim.fabric" in graph["lightning_accel.accelerator"]  # module level
+    assert "lightning_accel._accelerator.fabric" in graph["lightning_accel.accelerator"]  # module level
     assert "lightning_accel.config.devices" in graph["lightning_accel.state"]  # lazy, inside a method
     assert "lightning_accel.config" in graph["lightning_accel.state"]  # the package run before its module
     assert "lightning_accel.config.file" in graph["lightning_accel.strategies.arguments"]  # under TYPE_CHECKING

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import Accelerator
-from lightning_accel._shim.fabric import Launch, detect_launch
+from lightning_accel._accelerator.fabric import Launch, detect_launch
 from lightning_accel.data_loader import DataLoaderShard, SeedableRandomSampler, skip_first_batches
 from lightning_accel.state import AcceleratorState, GradientState, PartialState, reset_state
 from lightning_accel.utils import (

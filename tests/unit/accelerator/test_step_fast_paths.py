@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_accel import Accelerator
-from lightning_accel._shim.module import passes_forward_through
+from lightning_accel._accelerator.module import passes_forward_through
 from lightning_accel.precision.plugins import BF16Precision, FP32Precision
 from lightning_accel.utils import send_to_device
 

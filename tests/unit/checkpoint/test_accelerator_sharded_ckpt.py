@@ -287,7 +287,7 @@ def test_deepspeed_clip_grad_norm_reads_the_engine_and_warns_that_max_norm_is_ig
     import warnings
     from types import SimpleNamespace
 
-    from lightning_accel._shim.engine_step import global_grad_norm
+    from lightning_accel._accelerator.engine_step import global_grad_norm
 
     engine = SimpleNamespace(gradient_clipping=lambda: 1.0, get_global_grad_norm=lambda: torch.tensor(3.5))
     strategy: Any = SimpleNamespace(step_engine=lambda: engine)

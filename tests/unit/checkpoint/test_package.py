@@ -31,7 +31,7 @@ def test_checkpointing_and_the_checkpoint_package_import_no_shim() -> None:
         f"{path.relative_to(PACKAGE)} imports {name}"
         for path in files
         for name in _imports(path)
-        if name.startswith(("lightning_accel._shim", "lightning_accel.accelerator"))
+        if name.startswith(("lightning_accel._accelerator", "lightning_accel.accelerator"))
     }
     assert upward == set()
 

@@ -41,7 +41,7 @@ def test_a_loader_error_traceback_names_the_public_module() -> None:
         _ = loader.total_batch_size
     files = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
     assert any(f.endswith("lightning_accel/data_loader/loaders.py") for f in files), files
-    assert not any("_shim" in f for f in files), files
+    assert not any("_accelerator" in f for f in files), files
 
 
 def test_prepared_loaders_are_the_public_class() -> None:

@@ -11,7 +11,7 @@ from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 
 import lightning_accel
-import lightning_accel._shim.fabric as shim_fabric
+import lightning_accel._accelerator.fabric as shim_fabric
 from lightning_accel.lightning_compat import lightning_private
 from lightning_accel.strategies.ddp import FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.deepspeed import AcceleratedDeepSpeedStrategy, FabricAcceleratedDeepSpeedStrategy
@@ -22,7 +22,7 @@ from lightning_accel.utils import DeepSpeedPlugin
 
 PACKAGE = Path(lightning_accel.__file__).parent
 # The checkpoint files of the shim belong to the checkpoint package's work (their engine table included).
-_CHECKPOINT_FILES = {"checkpoint_control.py", "checkpoint_publish.py", "sharded_checkpoint.py", "loader_checkpoint.py"}
+_CHECKPOINT_FILES = {"checkpoints.py", "checkpoint_publish.py", "sharded_checkpoint.py", "loader_checkpoint.py"}
 _PROBE = re.compile(r"isinstance\([^)]*[Ss]trateg|getattr\([^)]*strateg|hasattr\([^)]*strateg")
 
 
@@ -80,7 +80,7 @@ def test_the_accelerator_reads_the_strategy_through_the_protocol() -> None:
 
 def test_the_shim_does_not_branch_on_strategy_classes() -> None:
     files = [PACKAGE / "accelerator.py", PACKAGE / "optimizer.py", PACKAGE / "scheduler.py"]
-    files += [p for p in (PACKAGE / "_shim").glob("*.py") if p.name not in _CHECKPOINT_FILES]
+    files += [p for p in (PACKAGE / "_accelerator").glob("*.py") if p.name not in _CHECKPOINT_FILES]
     files += sorted(PACKAGE.glob("data_loader*.py")) + sorted((PACKAGE / "data_loader").glob("*.py"))
     found = []
     for path in files:

@@ -1,4 +1,4 @@
-"""The ``Accelerator``'s tracking methods: ``init_trackers``, ``log``, ``get_tracker`` (main process only)."""
+"""The ``Accelerator``'s trackers: ``init_trackers``, ``log``, ``get_tracker`` (main process only)."""
 
 from __future__ import annotations
 
@@ -6,23 +6,37 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_accel.config import ProjectConfiguration
 from lightning_accel.state import PartialState
 from lightning_accel.tracking.base import GeneralTracker
 from lightning_accel.tracking.registry import LOGGER_TYPE_TO_CLASS, check_logging_dir
 
-__all__ = ["TrackingMixin"]
+__all__ = ["Trackers"]
 
 
-class TrackingMixin:
-    """Accelerate's tracking methods; trackers are built, started and fed on the main process only."""
+class Trackers:
+    """The trackers of one ``Accelerator``: built, started and fed on the main process only.
 
-    log_with: list[str | GeneralTracker]
-    trackers: list[GeneralTracker]
+    Args:
+        log_with: The trackers to start, by name (:data:`LOGGER_TYPE_TO_CLASS`) or as objects.
+        project: Where file-based trackers write (its ``logging_dir``, read when they start).
+
+    Attributes:
+        log_with: The trackers ``init_trackers`` starts.
+        started: The trackers started on this process (none but on the main process); they stay listed once
+            finished, as in Accelerate (scripts read their files through them afterwards).
+
+    """
+
+    def __init__(self, *, log_with: list[str | GeneralTracker], project: ProjectConfiguration) -> None:
+        self.log_with = log_with
+        self._project = project
+        self.started: list[GeneralTracker] = []
 
     @property
     def logging_dir(self) -> str | None:
-        """Where file-based trackers write (the ``Accelerator`` answers)."""
-        raise NotImplementedError
+        """Where file-based trackers write."""
+        return self._project.logging_dir
 
     def init_trackers(
         self,
@@ -50,14 +64,14 @@ class TrackingMixin:
             return
         for item in self.log_with:
             if isinstance(item, GeneralTracker):
-                self.trackers.append(item)
+                self.started.append(item)
                 continue
             args, kwargs = calls[item]
-            self.trackers.append(LOGGER_TYPE_TO_CLASS[item](*args, **kwargs))
-        for tracker in self.trackers:
+            self.started.append(LOGGER_TYPE_TO_CLASS[item](*args, **kwargs))
+        for tracker in self.started:
             tracker.start()
         if config is not None:
-            for tracker in self.trackers:
+            for tracker in self.started:
                 tracker.store_init_configuration(config)
 
     def _tracker_calls(
@@ -101,7 +115,7 @@ class TrackingMixin:
         """Log ``values`` to every started tracker (on the main process)."""
         if not PartialState().is_main_process:
             return
-        for tracker in self.trackers:
+        for tracker in self.started:
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
@@ -111,14 +125,14 @@ class TrackingMixin:
             ValueError: On the main process, when no tracker has that name.
 
         """
-        for tracker in self.trackers:
+        for tracker in self.started:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
         if PartialState().is_main_process:
-            raise ValueError(f"No started tracker is called {name!r}; started: {[t.name for t in self.trackers]}.")
+            raise ValueError(f"No started tracker is called {name!r}; started: {[t.name for t in self.started]}.")
         return GeneralTracker()
 
-    def _finish_trackers(self) -> None:
-        # The finished trackers stay listed, as in Accelerate (scripts read their files through them afterwards).
-        for tracker in self.trackers:
+    def finish(self) -> None:
+        """Finish every started tracker."""
+        for tracker in self.started:
             tracker.finish()

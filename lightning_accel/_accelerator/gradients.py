@@ -5,7 +5,7 @@ float sum of the norms (and with it every clipped weight) depends on that order.
 except where the norm must be computed another way: an FSDP1 model clips through its root module's
 ``clip_grad_norm_`` (its parameters are flat local shards) when the parameters are all of the model's, as Accelerate
 does; a strategy that overrides Fabric's clipping (Megatron) clips its own way; DeepSpeed's engine clipped inside
-``backward`` (see :mod:`lightning_accel._shim.engine_step`). FSDP2's parameters are ``DTensor`` shards, over
+``backward`` (see :mod:`lightning_accel._accelerator.engine_step`). FSDP2's parameters are ``DTensor`` shards, over
 which torch's function computes the global norm itself.
 """
 
@@ -21,8 +21,8 @@ from lightning_utilities.core.overrides import is_overridden
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.optim import Optimizer
 
-from lightning_accel._shim import engine_step as _engine_step
-from lightning_accel._shim.prepared import PreparedObjects
+from lightning_accel._accelerator import engine_step as _engine_step
+from lightning_accel._accelerator.prepared import PreparedObjects
 from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.strategies.protocol import ShimStrategy
@@ -40,7 +40,7 @@ class GradientClipping:
 
     """
 
-    def __init__(self, fabric: Fabric, strategy: ShimStrategy, prepared: PreparedObjects) -> None:
+    def __init__(self, *, fabric: Fabric, strategy: ShimStrategy, prepared: PreparedObjects) -> None:
         self.fabric = fabric
         self._strategy = strategy
         self._prepared = prepared

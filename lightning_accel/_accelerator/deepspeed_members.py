@@ -16,8 +16,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_accel._shim.module import AcceleratedModule
-from lightning_accel._shim.prepared import PreparedObjects
+from lightning_accel._accelerator.module import AcceleratedModule
+from lightning_accel._accelerator.prepared import PreparedObjects
 from lightning_accel.config import ParallelismConfig
 from lightning_accel.lightning_compat import fabric_forward_module, get_register_backward_hook
 from lightning_accel.strategies.protocol import ShimStrategy
@@ -39,7 +39,7 @@ class ReturnedModels:
 
     """
 
-    def __init__(self, strategy: ShimStrategy, prepared: PreparedObjects) -> None:
+    def __init__(self, *, strategy: ShimStrategy, prepared: PreparedObjects) -> None:
         self._strategy = strategy
         self._prepared = prepared
         self.engine_wrapped: DeepSpeedEngineWrapper | None = None

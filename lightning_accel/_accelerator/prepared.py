@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_accel._shim.module import AcceleratedModule
+from lightning_accel._accelerator.module import AcceleratedModule
 from lightning_accel.data_loader import DataLoaderShard
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.scheduler import AcceleratedScheduler

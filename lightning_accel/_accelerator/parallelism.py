@@ -15,19 +15,17 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric import Fabric
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accel.config import ParallelismConfig
-from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.state import AcceleratorState, PartialState
 from lightning_accel.strategies.protocol import ShimStrategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelismControl", "apply_model_tp_plan", "data_shards", "recorded_plugins"]
+__all__ = ["Parallelism", "apply_model_tp_plan", "data_shards", "recorded_plugins"]
 
 
 def recorded_plugins(strategy: ShimStrategy, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,71 +104,26 @@ def apply_model_tp_plan(model: Module, optimizers: list[Optimizer], mesh: Device
     repoint_optimizers(model, optimizers, names)
 
 
-class ParallelismControl:
-    """Accelerate's mesh and rank members, ``maybe_context_parallel`` and the engine's plugins, for the Accelerator."""
+class Parallelism:
+    """The ``Accelerator``'s rank along a mesh dimension and its context-parallel block.
 
-    fabric: Fabric
-    _strategy: ShimStrategy
-    state: AcceleratorState
-    _warned_context_parallel: bool = False
+    Args:
+        state: The shared process state, which records the plugins and mesh the strategy uses.
+        strategy: The Fabric's strategy, which knows each process's coordinates on the mesh.
+
+    """
+
+    def __init__(self, *, state: AcceleratorState, strategy: ShimStrategy) -> None:
+        self._state = state
+        self._strategy = strategy
+        self._warned_context_parallel = False
 
     @property
     def parallelism_config(self) -> ParallelismConfig | None:
         """The ``ParallelismConfig`` in use (with the sizes the processes fill in), ``None`` without one."""
-        return self.state.__dict__.get("parallelism_config")
+        return self._state.__dict__.get("parallelism_config")
 
-    @property
-    def torch_device_mesh(self) -> DeviceMesh | None:
-        """The device mesh (Accelerate's dimension names), ``None`` without a ``parallelism_config``."""
-        return self.state.__dict__.get("device_mesh")
-
-    @property
-    def is_fsdp2(self) -> bool:
-        """Whether the model is sharded with FSDP2."""
-        return self.state.is_fsdp2
-
-    @property
-    def is_composable_parallelism_enabled(self) -> bool:
-        """Whether parallelisms compose on a mesh (FSDP2), as Accelerate answers."""
-        return self.is_fsdp2
-
-    @property
-    def should_save_model(self) -> bool:
-        """Whether this process takes part in saving the model.
-
-        With a ``parallelism_config`` every process does (Accelerate's answer), else the local main processes.
-        """
-        return self.parallelism_config is not None or self.state.is_local_main_process
-
-    @property
-    def multi_device(self) -> bool:
-        """Whether several processes train data parallel on accelerators (``MULTI_GPU``, ``MULTI_XPU``, ...)."""
-        backend = BACKEND_BY_TYPE.get(self.state.distributed_type)
-        device = backend.device_type if backend is not None else None
-        return self.state.use_distributed and device not in (None, "cpu", "xla")
-
-    @property
-    def deepspeed_plugin(self) -> Any:
-        """The active ``DeepSpeedPlugin``, ``None`` without DeepSpeed."""
-        return self.state.deepspeed_plugin
-
-    @property
-    def deepspeed_config(self) -> dict[str, Any]:
-        """The active DeepSpeed plugin's config (what the engine is built from).
-
-        Raises:
-            AttributeError: Outside a DeepSpeed run (Accelerate has no such attribute there either).
-
-        """
-        plugin = self.deepspeed_plugin
-        if plugin is None:
-            raise AttributeError(
-                "deepspeed_config exists only in DeepSpeed runs: pass"
-                " Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))."
-            )
-        return plugin.deepspeed_config
-
-    def _mesh_rank(self, dimension: str, enabled: str, what: str) -> int:
+    def mesh_rank(self, dimension: str, enabled: str, what: str) -> int:
         """The strategy's rank along ``dimension``; 0 where the config leaves it at size 1, as in Accelerate."""
         config = self.parallelism_config
         if config is None:
@@ -180,56 +133,6 @@ class ParallelismControl:
         if not getattr(config, enabled):
             return 0
         return self._strategy.mesh_rank(dimension)
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        """The coordinate of this process along ``tp`` (0 when ``tp_size == 1``).
-
-        Raises:
-            RuntimeError: Without a ``parallelism_config``.
-
-        """
-        return self._mesh_rank("tp", "tp_enabled", "Tensor parallelism")
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """The coordinate of this process along ``dp_replicate`` (0 without replication).
-
-        Raises:
-            RuntimeError: Without a ``parallelism_config``.
-
-        """
-        return self._mesh_rank("dp_replicate", "dp_replicate_enabled", "Data parallelism")
-
-    @property
-    def data_parallel_shard_rank(self) -> int:
-        """The coordinate of this process along ``dp_shard`` (0 without sharding).
-
-        Raises:
-            RuntimeError: Without a ``parallelism_config``.
-
-        """
-        return self._mesh_rank("dp_shard", "dp_shard_enabled", "Shard-based data parallelism")
-
-    @property
-    def context_parallel_rank(self) -> int:
-        """Not available, as in Accelerate 1.15.
-
-        Raises:
-            NotImplementedError: Always.
-
-        """
-        raise NotImplementedError("Context parallelism is currently not supported in Accelerate.")
-
-    @property
-    def pipeline_parallel_rank(self) -> int:
-        """Not available, as in Accelerate 1.15.
-
-        Raises:
-            NotImplementedError: Always.
-
-        """
-        raise NotImplementedError("Pipeline parallelism is currently not supported in Accelerate.")
 
     @contextmanager
     def maybe_context_parallel(

@@ -107,7 +107,8 @@ class AcceleratedModule(_FabricModule):
     Accelerate's ``prepare`` returns.
     """
 
-    _backward_guard: str | None
+    # Why loss.backward() gives wrong gradients for this module (set in adopt); None: it gives right ones.
+    _backward_guard: str | None = None
     # The strategy, where forward may call the wrapped module directly (see forward); None: Fabric's forward always.
     _direct_forward_strategy: Strategy | None = None
     # The precision plugin last found to pass the forward through (the check runs again for another plugin object).

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from lightning_accel._shim.deepspeed import adopt_config_accumulation
+from lightning_accel._accelerator.deepspeed import adopt_config_accumulation
 from lightning_accel.config import (
     AutocastKwargs,
     DistributedDataParallelKwargs,

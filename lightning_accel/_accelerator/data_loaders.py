@@ -1,4 +1,4 @@
-"""The ``Accelerator``'s data-loader methods, its ``dataloader_config`` properties and ``join_uneven_inputs``."""
+"""The ``Accelerator``'s data loaders: ``prepare_data_loader`` and ``join_uneven_inputs``."""
 
 from __future__ import annotations
 
@@ -7,21 +7,20 @@ from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from lightning.fabric import Fabric
 from torch.distributed.algorithms import Join, Joinable
 from torch.utils.data import DataLoader
 
-from lightning_accel._shim.parallelism import data_shards
+from lightning_accel._accelerator.parallelism import data_shards
+from lightning_accel._accelerator.prepared import PreparedObjects
 from lightning_accel.config import DataLoaderConfiguration
 from lightning_accel.data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
-from lightning_accel.data_loader import skip_first_batches as _skip_first_batches
 from lightning_accel.data_loader.sharding import BatchSamplerShard
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.state import AcceleratorState, PartialState
 from lightning_accel.strategies.protocol import ShimStrategy
 
-__all__ = ["DataLoaderControl"]
+__all__ = ["DataLoaders"]
 
 # The types whose processes join: Accelerate's multi-device DDP types, and multi-CPU (Accelerate does not join there).
 _DATA_PARALLEL = frozenset(
@@ -39,70 +38,47 @@ _DATA_PARALLEL = frozenset(
 )
 
 
-class DataLoaderControl:
-    """Accelerate's data-loader methods and ``dataloader_config`` properties, for the ``Accelerator``."""
+class DataLoaders:
+    """The ``Accelerator``'s data loaders: preparing them for this process's shard, skipping batches, joining.
 
-    dataloader_config: DataLoaderConfiguration
-    device_placement: bool
-    rng_types: list[str]
-    fabric: Fabric
-    _strategy: ShimStrategy
-    state: AcceleratorState
-    _dataloaders: list[DataLoaderShard]
+    Args:
+        config: How loaders are prepared (the ``Accelerator``'s ``dataloader_config``).
+        strategy: The Fabric's strategy, which says which data-parallel shard this process reads and whether its
+            processes can join uneven inputs.
+        state: The shared process state (its distributed type and device).
+        prepared: Where prepared loaders are recorded.
 
-    @property
-    def split_batches(self) -> bool:
-        """``dataloader_config.split_batches``: each batch is split between the processes."""
-        return self.dataloader_config.split_batches
+    """
 
-    @property
-    def dispatch_batches(self) -> bool | None:
-        """``dataloader_config.dispatch_batches``: process 0 reads the batches and sends them out."""
-        return self.dataloader_config.dispatch_batches
+    def __init__(
+        self,
+        *,
+        config: DataLoaderConfiguration,
+        strategy: ShimStrategy,
+        state: AcceleratorState,
+        prepared: PreparedObjects,
+    ) -> None:
+        self.config = config
+        self._strategy = strategy
+        self._state = state
+        self._prepared = prepared
 
-    @property
-    def even_batches(self) -> bool:
-        """``dataloader_config.even_batches``: the last round is padded so every process gets as many batches."""
-        return self.dataloader_config.even_batches
-
-    @even_batches.setter
-    def even_batches(self, value: bool) -> None:
-        """Change ``even_batches`` for the loaders prepared from now on."""
-        self.dataloader_config.even_batches = value
-
-    @property
-    def use_seedable_sampler(self) -> bool:
-        """``dataloader_config.use_seedable_sampler``."""
-        return self.dataloader_config.use_seedable_sampler
-
-    @property
-    def non_blocking(self) -> bool:
-        """``dataloader_config.non_blocking``: batches are copied to the device asynchronously."""
-        return self.dataloader_config.non_blocking
-
-    @property
-    def use_stateful_dataloader(self) -> bool:
-        """``dataloader_config.use_stateful_dataloader``: loaders are torchdata ``StatefulDataLoader`` s."""
-        return self.dataloader_config.use_stateful_dataloader
-
-    def prepare_data_loader(
+    def prepare(
         self,
         data_loader: DataLoader,
-        device_placement: bool | None = None,
-        slice_fn_for_dispatch: Callable[..., Any] | None = None,
+        *,
+        device_placement: bool,
+        rng_types: Sequence[str],
+        slice_fn_for_dispatch: Callable[..., Any] | None,
     ) -> DataLoaderShard:
-        """Shard ``data_loader`` for this process as :attr:`dataloader_config` says.
-
-        See :func:`lightning_accel.data_loader.prepare_data_loader`; ``slice_fn_for_dispatch`` slices dispatched
-        batches (``dispatch_batches``). A loader prepared already is returned as it is.
-        """
+        """Shard ``data_loader`` for this process (see :meth:`lightning_accel.Accelerator.prepare_data_loader`)."""
         if isinstance(data_loader, DataLoaderShard):
-            if data_loader not in self._dataloaders:
-                self._dataloaders.append(data_loader)
+            if data_loader not in self._prepared.dataloaders:
+                self._prepared.dataloaders.append(data_loader)
             return data_loader
-        config = self.dataloader_config
+        config = self.config
         state = PartialState()
-        place = self.device_placement if device_placement is None else device_placement
+        place = device_placement
         num_processes, process_index = data_shards(self._strategy)  # the data-parallel group (mesh's dp)
         prepared = prepare_data_loader(
             data_loader,
@@ -112,19 +88,15 @@ class DataLoaderControl:
             split_batches=config.split_batches,
             dispatch_batches=config.dispatch_batches,
             even_batches=config.even_batches,
-            rng_types=list(self.rng_types),
+            rng_types=list(rng_types),
             use_seedable_sampler=config.use_seedable_sampler,
             data_seed=config.data_seed,
             non_blocking=config.non_blocking,
             use_stateful_dataloader=config.use_stateful_dataloader,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
         )
-        self._dataloaders.append(prepared)
+        self._prepared.dataloaders.append(prepared)
         return prepared
-
-    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
-        """A copy of a prepared loader that skips its first ``num_batches`` batches."""
-        return _skip_first_batches(dataloader, num_batches)
 
     @contextmanager
     def join_uneven_inputs(
@@ -144,7 +116,7 @@ class DataLoaderControl:
             TypeError: If an object cannot join (e.g. a plain optimizer), naming it.
 
         """
-        distributed_type = self.state.distributed_type
+        distributed_type = self._state.distributed_type
         if distributed_type not in _DATA_PARALLEL or not self._strategy.joins_uneven_inputs:
             if distributed_type != DistributedType.NO:
                 warnings.warn(
@@ -160,13 +132,13 @@ class DataLoaderControl:
                 for sampler in self._batch_sampler_shards():
                     stack.callback(setattr, sampler, "even_batches", sampler.even_batches)
                     sampler.even_batches = even_batches
-            uneven = not (self.even_batches if even_batches is None else even_batches)
+            uneven = not (self.config.even_batches if even_batches is None else even_batches)
             stack.enter_context(Join(members, enable=uneven, throw_on_early_termination=False))
             yield
 
     def _batch_sampler_shards(self) -> list[BatchSamplerShard]:
         shards: list[BatchSamplerShard] = []
-        for loader in self._dataloaders:
+        for loader in self._prepared.dataloaders:
             if isinstance(loader, DataLoaderDispatcher):
                 warnings.warn(
                     "Overriding even_batches in join_uneven_inputs is only supported for map-style datasets: a"
