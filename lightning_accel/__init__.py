@@ -35,7 +35,7 @@ from lightning_accel.launchers import debug_launcher, notebook_launcher
 from lightning_accel.state import AcceleratorState, GradientState, PartialState
 from lightning_accel.strategies import register_strategies, strategy_for
 from lightning_accel.strategies.accelerators import register_accelerators
-from lightning_accel.strategies.arguments import trainer_kwargs
+from lightning_accel.strategies.from_settings import trainer_kwargs
 from lightning_accel.utils.imports import is_rich_available
 from lightning_accel.utils.memory import find_executable_batch_size
 from lightning_accel.utils.modeling import (

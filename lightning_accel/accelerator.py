@@ -28,7 +28,8 @@ from lightning_accel._accelerator import fabric as _fabric
 from lightning_accel._accelerator import lomo as _lomo
 from lightning_accel._accelerator import module as _module
 from lightning_accel._accelerator import parallelism as _parallelism
-from lightning_accel._accelerator.arguments import (
+from lightning_accel._accelerator.checkpoints import Checkpoints
+from lightning_accel._accelerator.checks import (
     check_arguments,
     check_type,
     named_trackers,
@@ -36,7 +37,6 @@ from lightning_accel._accelerator.arguments import (
     refuse_unsupported,
     with_split_batches,
 )
-from lightning_accel._accelerator.checkpoints import Checkpoints
 from lightning_accel._accelerator.data_loaders import DataLoaders
 from lightning_accel._accelerator.deepspeed_members import ReturnedModels, ulysses_loader
 from lightning_accel._accelerator.gradients import GradientClipping, raw_optimizer

@@ -230,7 +230,7 @@ def _describe_options(options: dict[str, Any]) -> list[str]:
 def _run_trainer_args(args: argparse.Namespace) -> int:
     from lightning_accel.config import load_config
     from lightning_accel.launch_settings import default_config_file, env_from_settings
-    from lightning_accel.strategies.arguments import settings_trainer_kwargs, strategy_entry, strategy_options
+    from lightning_accel.strategies.from_settings import settings_trainer_kwargs, strategy_entry, strategy_options
 
     config = load_config(args.config_file or default_config_file())
     settings = config.settings()

@@ -2,7 +2,7 @@
 
 The Trainer precision string, the processes per node, the accelerator name and the ``Accelerator``'s arguments.
 Building strategies and precision plugins from settings is a layer above, in
-:mod:`lightning_accel.strategies.arguments`. A ``distributed_type`` of ``None`` means "data parallel on whatever
+:mod:`lightning_accel.strategies.from_settings`. A ``distributed_type`` of ``None`` means "data parallel on whatever
 devices the accelerator gives" (``acc_ddp``): the environment of a multi-process launch that names no type.
 """
 

@@ -42,8 +42,8 @@ class _BuiltFromEnvironment:
         environ: Mapping[str, str] | None = None,
         **options: Any,
     ) -> Strategy | FabricStrategy:
-        """Return the strategy :func:`~lightning_accel.strategies.arguments.strategy_from_env` builds."""
-        from lightning_accel.strategies.arguments import strategy_from_env
+        """Return the strategy :func:`~lightning_accel.strategies.from_settings.strategy_from_env` builds."""
+        from lightning_accel.strategies.from_settings import strategy_from_env
 
         del strategy_name  # the built strategy keeps its own name
         return strategy_from_env(fabric=cls._fabric, config=config_file, environ=environ, **options)

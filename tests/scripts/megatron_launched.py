@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_accel.strategies.arguments import trainer_kwargs
+from lightning_accel.strategies.from_settings import trainer_kwargs
 from tests.scripts.megatron_parity import GLOBAL_BATCH, STEPS, GPTModule, dataset
 
 

@@ -364,8 +364,8 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     assert "lightning_accel._accelerator.fabric" in graph["lightning_accel.accelerator"]  # module level
     assert "lightning_accel.config.devices" in graph["lightning_accel.state"]  # lazy, inside a method
     assert "lightning_accel.config" in graph["lightning_accel.state"]  # the package run before its module
-    assert "lightning_accel.config.file" in graph["lightning_accel.strategies.arguments"]  # under TYPE_CHECKING
-    assert "lightning_accel.strategies.registry" in graph["lightning_accel.strategies.arguments"]
+    assert "lightning_accel.config.file" in graph["lightning_accel.strategies.from_settings"]  # under TYPE_CHECKING
+    assert "lightning_accel.strategies.registry" in graph["lightning_accel.strategies.from_settings"]
 
 
 def test_the_circle_finder_finds_a_circle(monkeypatch: pytest.MonkeyPatch) -> None:

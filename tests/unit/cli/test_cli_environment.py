@@ -18,8 +18,8 @@ from lightning_accel.strategies import (
     AcceleratedSingleDeviceStrategy,
     FabricAcceleratedFSDPStrategy,
 )
-from lightning_accel.strategies.arguments import strategy_from_env, trainer_kwargs
 from lightning_accel.strategies.auto import AcceleratedAutoStrategy
+from lightning_accel.strategies.from_settings import strategy_from_env, trainer_kwargs
 from lightning_accel.utils.environment import (
     accelerator_kwargs,
     env_from_settings,

@@ -132,7 +132,7 @@ megatron_lm_config:
 
 @needs_megatron
 def test_an_accelerate_config_file_builds_it(tmp_path: Path) -> None:
-    from lightning_accel.strategies.arguments import trainer_kwargs
+    from lightning_accel.strategies.from_settings import trainer_kwargs
 
     path = tmp_path / "megatron.yaml"
     path.write_text(_CONFIG + "  megatron_lm_context_parallel_size: 1\n")

@@ -21,7 +21,7 @@ from lightning_accel.cli import _build_parser, launch_settings
 from lightning_accel.cli.launch import plan_launch
 from lightning_accel.config import load_config
 from lightning_accel.strategies import AcceleratedParallelStrategy, FabricAcceleratedParallelStrategy
-from lightning_accel.strategies.arguments import strategy_from_env
+from lightning_accel.strategies.from_settings import strategy_from_env
 from lightning_accel.utils.environment import accelerator_kwargs, env_from_settings, parallelism_config_from_env
 from tests.helpers import ACCELERATE_CONFIGS, SCRIPTS, run_python
 
