@@ -146,12 +146,7 @@ class Checkpoints:
         self._load_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore ``objects`` (each with ``state_dict``/``load_state_dict``) in ``save_state``/``load_state``.
-
-        Raises:
-            ValueError: Naming the objects that lack either method.
-
-        """
+        """Add ``objects`` to what ``save_state`` saves (see ``Accelerator.register_for_checkpointing``)."""
         invalid = [
             f"Item at index {i} ({type(o).__name__})"
             for i, o in enumerate(objects)
@@ -164,33 +159,19 @@ class Checkpoints:
         self._prepared.custom_objects.extend(objects)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call ``hook(models, weights, output_dir)`` in ``save_state`` before the weights are written.
-
-        The hook may pop entries from ``weights`` (and ``models``) to save them its own way.
-        """
+        """Add a hook ``save_state`` calls before writing the weights (see the ``Accelerator``'s)."""
         handle = RemovableHandle(self._save_pre_hooks)
         self._save_pre_hooks[handle.id] = hook
         return handle
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call ``hook(models, input_dir)`` in ``load_state`` before the weights are loaded (it may pop models)."""
+        """Add a hook ``load_state`` calls before loading the weights (see the ``Accelerator``'s)."""
         handle = RemovableHandle(self._load_pre_hooks)
         self._load_pre_hooks[handle.id] = hook
         return handle
 
     def get_state_dict(self, model: Module, unwrap: bool = True) -> dict[str, Any]:
-        """The model's full state dict (on every process, or on the main process only for sharded weights).
-
-        Sharded weights are gathered to the main process's CPU, as Accelerate does under FSDP and DeepSpeed ZeRO-3;
-        the other processes get ``{}`` (collective: every process calls it). ZeRO-3 needs
-        ``DeepSpeedPlugin(zero3_save_16bit_model=True)``, as in Accelerate.
-
-        With ``unwrap=False`` it is the strategy-wrapped module's own state dict (DDP keys keep ``module.``).
-
-        Raises:
-            ValueError: Under ZeRO-3 without ``zero3_save_16bit_model``.
-
-        """
+        """The model's full state dict (see ``Accelerator.get_state_dict``)."""
         if not unwrap:
             return dict(self._fabric.strategy.get_module_state_dict(fabric_forward_module(model)))
         engine = self._strategy.checkpoint_engine()
@@ -217,17 +198,7 @@ class Checkpoints:
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """Write the model's weights: ``model.safetensors``, or shards and an index past ``max_shard_size``.
-
-        File names and the index are Accelerate's (Hugging Face's), so ``from_pretrained``-style loaders read them.
-        The arguments are checked on every process before any collective, and an error while the main process
-        writes is raised on every process (none is left waiting).
-
-        Raises:
-            TypeError: For a ``model`` that is not a module, or a non-boolean ``safe_serialization``.
-            ValueError: For a ``save_directory`` that is a file, or a ``max_shard_size`` that is not a positive size.
-
-        """
+        """Write the model's weight files (see ``Accelerator.save_model``)."""
         check_save_model_arguments(model, save_directory, max_shard_size, safe_serialization)
         sharded = self._strategy.checkpoint_engine() is not None
         state = self.get_state_dict(model)  # collective under sharded engines only

@@ -102,20 +102,7 @@ class DataLoaders:
     def join_uneven_inputs(
         self, joinables: Sequence[Any], even_batches: bool | None = None
     ) -> Generator[None, None, None]:
-        """Let processes with fewer batches drop out of gradient synchronisation instead of hanging (DDP only).
-
-        Inside the block, torch's ``Join`` shadows the collectives of processes that ran out of batches. It is on
-        when the loaders are uneven (``even_batches=False``); ``even_batches`` overrides the setting of the map-style
-        loaders prepared so far for the duration of the block.
-
-        Args:
-            joinables: Prepared models (and other ``torch.distributed.algorithms.Joinable`` objects).
-            even_batches: Temporarily pad (``True``) or not (``False``) the prepared map-style loaders.
-
-        Raises:
-            TypeError: If an object cannot join (e.g. a plain optimizer), naming it.
-
-        """
+        """Join uneven inputs inside the block (see ``Accelerator.join_uneven_inputs``)."""
         distributed_type = self._state.distributed_type
         if distributed_type not in _DATA_PARALLEL or not self._strategy.joins_uneven_inputs:
             if distributed_type != DistributedType.NO:

@@ -141,10 +141,7 @@ class Parallelism:
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> Generator[None, None, None]:
-        """Shard ``buffers`` along their sequence dimensions over ``cp`` inside the block (``cp_size > 1``).
-
-        Without context parallelism the block runs unchanged, with a warning (once), as in Accelerate.
-        """
+        """Shard ``buffers`` over ``cp`` inside the block (see ``Accelerator.maybe_context_parallel``)."""
         config = self.parallelism_config
         if config is None or not config.cp_enabled or config.cp_backend != "torch":
             if not self._warned_context_parallel:

@@ -44,19 +44,7 @@ class Trackers:
         config: Mapping[str, Any] | None = None,
         init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        """Start every tracker of ``log_with`` (on the main process) and store ``config`` in each.
-
-        Args:
-            project_name: The run's project (wandb project, MLflow experiment, TensorBoard sub-directory).
-            config: Hyperparameters to record.
-            init_kwargs: Per tracker name, keyword arguments for its constructor (e.g. ``{"wandb": {"dir": ...}}``).
-
-        Raises:
-            ValueError: On every process, if a tracker needs a logging directory and none is configured.
-            TypeError: On every process, if ``init_kwargs`` does not map names to dictionaries or a tracker's
-                constructor does not take its keywords.
-
-        """
+        """Start every tracker of ``log_with`` on the main process (see ``Accelerator.init_trackers``)."""
         # Checked on every process: the main process raising alone would leave the others waiting in a collective.
         check_logging_dir(self.log_with, self.logging_dir)
         calls = self._tracker_calls(project_name, init_kwargs)
@@ -119,12 +107,7 @@ class Trackers:
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The started tracker called ``name`` (its underlying object with ``unwrap``); a no-op tracker elsewhere.
-
-        Raises:
-            ValueError: On the main process, when no tracker has that name.
-
-        """
+        """The started tracker called ``name`` (see ``Accelerator.get_tracker``)."""
         for tracker in self.started:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
