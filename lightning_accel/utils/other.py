@@ -10,10 +10,13 @@ import codecs
 import collections
 import functools
 import os
+import pickle
 import platform
 import re
 import socket
 import sys
+import warnings
+from collections.abc import Sequence
 from types import MethodType
 from typing import Any, cast
 
@@ -142,15 +145,37 @@ if hasattr(np, "dtypes"):  # numpy 1.25 and newer
     TORCH_SAFE_GLOBALS.append(np.dtypes.UInt32DType)
 
 
-def load(f: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) -> Any:
+def load(f: str | os.PathLike[str], map_location: Any = None, extra_globals: Sequence[Any] = (), **kwargs: Any) -> Any:
     """``torch.load`` with ``weights_only=True`` unless the caller passes ``weights_only=False``.
 
     As in Accelerate, the numpy types of :data:`TORCH_SAFE_GLOBALS` are allowed while it loads (so
-    ``random_states_{i}.pkl`` loads with ``weights_only``); the allowed globals are restored afterwards.
+    ``random_states_{i}.pkl`` loads with ``weights_only``), with ``extra_globals`` (the exact types a caller's file
+    holds); the allowed globals are restored afterwards.
+
+    The one place that loads a file weights-only or refuses naming it: a file that needs more than the allowlist
+    raises ``ValueError`` naming the file and the opt-in; the opt-in (``weights_only=False``) warns naming the file.
+
+    Raises:
+        ValueError: If a weights-only load refuses the file.
+
     """
-    kwargs.setdefault("weights_only", True)
-    with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
+    if not kwargs.setdefault("weights_only", True):
+        warnings.warn(
+            f"Loading {os.fspath(f)} with weights_only=False: unpickling runs any code the file holds; do this only"
+            " for a checkpoint you trust.",
+            stacklevel=2,
+        )
         return torch.load(f, map_location=map_location, **kwargs)
+    with torch.serialization.safe_globals([*TORCH_SAFE_GLOBALS, *extra_globals]):
+        try:
+            return torch.load(f, map_location=map_location, **kwargs)
+        except pickle.UnpicklingError as err:
+            lines = str(err).splitlines()
+            reason = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[0].strip())
+            raise ValueError(
+                f"{os.fspath(f)} holds objects a weights-only load refuses ({reason}). If you trust this checkpoint,"
+                " load it with weights_only=False."
+            ) from err
 
 
 def wait_for_everyone() -> None:
