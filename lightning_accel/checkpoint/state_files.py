@@ -35,6 +35,7 @@ from lightning_accel.utils.constants import (
     SCHEDULER_NAME,
     WEIGHTS_NAME,
 )
+from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 from lightning_accel.utils.other import load
 from lightning_accel.utils.random import get_rng_states, set_rng_states
 
@@ -253,13 +254,16 @@ def _write_loader_files(dataloaders: Sequence[Any], target: Path, sampler_of: Sa
 def read_file(path: Path, reader: Callable[[Path], Any]) -> Any:
     """``reader(path)``, any failure (a missing file too) raised as ``ValueError`` naming the file.
 
+    A weights-only refusal says so, naming the file and the opt-in (:func:`read_checkpoint_file`).
+
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refused the file.
         ValueError: Naming ``path`` and the reader's error.
 
     """
     try:
-        return reader(path)
-    except Exception as err:
+        return read_checkpoint_file(path, reader)
+    except FileNotFoundError as err:
         raise ValueError(
             f"Could not read checkpoint file {path}: {err}. The file may be truncated or corrupt."
         ) from err
@@ -298,7 +302,7 @@ def load_model_weights(
 
         state = read_file(safe, lambda p: load_file(p, device=str(map_location)))
     elif plain.is_file():
-        state = read_file(plain, lambda p: torch.load(p, map_location=map_location, weights_only=True))
+        state = read_file(plain, lambda p: load(p, map_location=map_location))
     else:
         raise ValueError(f"Checkpoint {source} has no weights for model {index}: expected {safe.name} or {plain.name}.")
     own = module.state_dict()
