@@ -16,7 +16,7 @@ import re
 import socket
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MethodType
 from typing import IO, Any, cast
 
@@ -212,6 +212,42 @@ def load(
             return torch.load(f, map_location=map_location, weights_only=True, **kwargs)
         except pickle.UnpicklingError as err:
             raise unsafe_checkpoint_error(label, err) from err
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """A plain-pickle unpickler that rebuilds only the globals ``allowed`` accepts (``pickle``'s own recipe)."""
+
+    def __init__(self, file: IO[bytes], allowed: Callable[[str, str], bool]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self._allowed(module, name):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"WeightsUnpickler error: Unsupported global: GLOBAL {module}.{name} is not allowed"
+        )
+
+
+def load_pickle(f: str | os.PathLike[str], allowed: Callable[[str, str], bool]) -> Any:
+    """Unpickle a plain pickle file (not a ``torch.save`` archive) rebuilding only the globals ``allowed`` accepts.
+
+    For the plain pickles engines write besides their tensors (``torch.distributed.checkpoint``'s ``.metadata``),
+    which torch's weights-only unpickler cannot read; the refusal is :func:`load`'s.
+
+    Args:
+        f: The file.
+        allowed: Whether ``(module, name)`` may be rebuilt.
+
+    Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If the file names a global ``allowed`` refuses.
+
+    """
+    with open(f, "rb") as file:
+        try:
+            return _AllowlistUnpickler(file, allowed).load()
+        except pickle.UnpicklingError as err:
+            raise unsafe_checkpoint_error(f, err) from err
 
 
 def wait_for_everyone() -> None:

@@ -26,6 +26,7 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
@@ -54,6 +55,7 @@ from lightning_accel.utils.other import (
     UnsafeCheckpointError,
     is_weights_only_refusal,
     load,
+    load_pickle,
     unsafe_checkpoint_error,
     warn_full_unpickling,
 )
@@ -182,26 +184,45 @@ def weights_only_planner(
     return planner
 
 
+# What DCP's ``.metadata`` pickles besides its own dataclasses and torch's dtypes.
+_DCP_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", kind) for kind in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+
+
+def _dcp_metadata_global(module: str, name: str) -> bool:
+    """Whether a DCP ``.metadata`` file may rebuild ``module.name``: its own dataclasses, sizes, dtypes, paths."""
+    if module == "torch.distributed.checkpoint.metadata":
+        return isinstance(getattr(sys.modules.get(module), name, None), type)
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return True
+    return (module, name) in _DCP_METADATA_GLOBALS
+
+
 def contained_reader(folder: str | os.PathLike[str]) -> FileSystemReader:
-    """DCP's ``FileSystemReader`` for ``folder`` that refuses a ``.metadata`` naming a file outside the folder.
+    """DCP's ``FileSystemReader`` for ``folder``, once its ``.metadata`` is checked.
+
+    DCP unpickles ``.metadata`` in full; it is first unpickled here with only DCP's metadata types allowed
+    (:func:`~lightning_accel.utils.other.load_pickle`), and every shard file it names must stay inside ``folder``.
 
     Raises:
-        ValueError: (when DCP reads the metadata) For a shard path outside ``folder``, naming it
+        UnsafeCheckpointError: (a ``ValueError``) If ``.metadata`` holds other objects, naming it.
+        CheckpointPathError: (a ``ValueError``) For a shard path outside ``folder``, naming it
             (:func:`contained_path`).
 
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    reader = FileSystemReader(folder)
-    set_up = reader.set_up_storage_reader
-
-    def checked_set_up(metadata: Metadata, *args: Any, **kwargs: Any) -> None:
-        for info in (metadata.storage_data or {}).values():
-            contained_path(folder, os.fspath(info.relative_path), Path(folder) / ".metadata")
-        set_up(metadata, *args, **kwargs)
-
-    reader.set_up_storage_reader = checked_set_up  # type: ignore[method-assign]
-    return reader
+    metadata_file = Path(folder) / ".metadata"
+    if metadata_file.is_file():
+        metadata: Metadata = read_checkpoint_file(metadata_file, lambda p: load_pickle(p, _dcp_metadata_global))
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            contained_path(folder, os.fspath(info.relative_path), metadata_file)
+    return FileSystemReader(folder)
 
 
 def read_sharded_entries(

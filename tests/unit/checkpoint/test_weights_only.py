@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
+from lightning_accel.big_modeling import load_checkpoint_and_dispatch
 from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint
 from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
 from lightning_accel.checkpoint.state_files import load_custom_file, load_samplers, load_state_dicts
@@ -215,6 +216,26 @@ def test_a_sharded_folder_naming_a_shard_outside_it_is_refused(tmp_path: Path) -
         load_full_state_dict(folder)
 
 
+def test_a_planted_dcp_metadata_file_is_refused_before_dcp_unpickles_it(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "sharded"
+    with pytest.warns(UserWarning):
+        dcp.save({"state_dict": {"w": torch.ones(2)}}, checkpoint_id=folder)
+    torch.save({}, folder / "meta.pt")
+    metadata_file = folder / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    marker = tmp_path / "ran"
+    metadata_file.write_bytes(pickle.dumps(_Planted(marker, metadata)))
+    with pytest.raises(UnsafeCheckpointError, match=_refusal(metadata_file)):
+        load_full_state_dict(folder)
+    with pytest.raises(UnsafeCheckpointError, match=_refusal(metadata_file)):
+        merge_fsdp_weights(folder, tmp_path / "merged")
+    assert not marker.exists()
+    metadata_file.write_bytes(pickle.dumps(metadata))  # DCP's own file loads
+    assert torch.equal(load_full_state_dict(folder)["w"], torch.ones(2))
+
+
 def test_load_checkpoint_in_model_and_load_state_dict_refuse_a_planted_file(tmp_path: Path) -> None:
     file = tmp_path / "pytorch_model.bin"
     weights = nn.Linear(2, 2).state_dict()
@@ -226,6 +247,8 @@ def test_load_checkpoint_in_model_and_load_state_dict_refuse_a_planted_file(tmp_
         load_checkpoint_in_model(model, tmp_path)
     with pytest.raises(UnsafeCheckpointError, match=_refusal(file)):
         load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu"})
+    with pytest.raises(UnsafeCheckpointError, match=_refusal(file)):
+        load_checkpoint_and_dispatch(model, tmp_path, device_map={"": "cpu"})
     assert not marker.exists()
     with pytest.warns(UserWarning, match=re.escape(str(file))):
         load_checkpoint_in_model(model, tmp_path, weights_only=False)
