@@ -405,7 +405,7 @@ def load_loader_files(
             dataloader.load_state_dict(read_file(state_file, lambda p: _torch_load(p, None, **load_kwargs)))
 
 
-def sampler_globals(path: Path) -> list[Any]:
+def sampler_globals(path: Path) -> list[type]:
     """The globals of ``path`` a weights-only load of a sampler file may rebuild.
 
     What a pickled sampler holds (Accelerate pickles the sampler with its dataset): classes named in the file that
@@ -413,7 +413,7 @@ def sampler_globals(path: Path) -> list[Any]:
     imported, so no function and no other class can be called), ``torch.Generator`` (a seeded sampler's) and ``range``
     (an index range as data source).
     """
-    allowed: list[Any] = [torch.Generator, range]
+    allowed: list[type] = [torch.Generator, range]
     for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
         module_name, _, attribute = name.rpartition(".")
         candidate = getattr(sys.modules.get(module_name), attribute, None)

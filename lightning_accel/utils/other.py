@@ -180,7 +180,7 @@ def load(
     map_location: Any = None,
     *,
     weights_only: bool = True,
-    extra_globals: Sequence[Any] = (),
+    extra_globals: Sequence[Callable[..., object]] = (),
     name: str | None = None,
     **kwargs: Any,
 ) -> Any:
