@@ -398,3 +398,19 @@ def test_save_state_fsdp_files_refuse_a_planted_gathered_file(tmp_path: Path) ->
     with pytest.raises(UnsafeCheckpointError, match=_refusal(file)):
         FSDPCheckpoint("FULL_STATE_DICT").load([nn.Linear(2, 2)], [], tmp_path)
     assert not marker.exists()
+
+
+def test_fabric_load_under_an_acc_strategy_refuses_a_planted_checkpoint(tmp_path: Path) -> None:
+    import lightning as L
+
+    import lightning_accel  # noqa: F401  (registers the acc_* names)
+
+    file = tmp_path / "fabric.ckpt"
+    marker = _plant(file, {"step": 3})
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="acc_no")
+    with pytest.raises(UnsafeCheckpointError, match=_refusal(file)):
+        fabric.load(file)
+    assert not marker.exists()
+    with pytest.warns(UserWarning, match=re.escape(str(file))):
+        assert fabric.load(file, weights_only=False) == {"step": 3}
+    assert marker.exists()
