@@ -355,6 +355,7 @@ def load_custom_file(obj: Stateful, folder: str | os.PathLike[str], index: int, 
     """Load ``{folder}/custom_checkpoint_{index}.pkl`` into ``obj`` (weights-only unless ``weights_only=False``).
 
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses the file, naming it.
         ValueError: If the file is missing or unreadable (naming it).
 
     """
@@ -392,9 +393,11 @@ def load_loader_files(
     """Restore each loader's pickled sampler (``sampler.bin``) and stateful-loader state (``dl_state_dict.bin``).
 
     (``Accelerator.load_state`` resumes stateful loaders with :func:`load_process_states` instead, which also
-    checks that the state belongs to this number of processes.)
+    checks that the state belongs to this number of processes.) Both are weights-only unless ``weights_only=False``
+    (Accelerate's ``load_kwargs={"weights_only": False}``), which unpickles them in full with a warning.
 
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
         ValueError: For a sampler file that is missing or unreadable, or an unreadable state file.
 
     """
@@ -402,7 +405,8 @@ def load_loader_files(
     for i, dataloader in enumerate(dataloaders):
         state_file = source / state_file_name(i)
         if getattr(dataloader, "use_stateful_dataloader", False) and state_file.is_file():
-            dataloader.load_state_dict(read_file(state_file, lambda p: _torch_load(p, None, **load_kwargs)))
+            read = lambda p: _torch_load(p, None, weights_only=weights_only, **load_kwargs)  # noqa: E731
+            dataloader.load_state_dict(read_file(state_file, read))
 
 
 def sampler_globals(path: Path) -> list[type]:

@@ -22,7 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 from lightning_accel.big_modeling import load_checkpoint_and_dispatch
 from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint
 from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
-from lightning_accel.checkpoint.state_files import load_custom_file, load_samplers, load_state_dicts
+from lightning_accel.checkpoint.state_files import load_custom_file, load_loader_files, load_samplers, load_state_dicts
 from lightning_accel.checkpointing import load_custom_state
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.deepspeed import check_deepspeed_folder
@@ -117,11 +117,16 @@ def test_planted_optimizer_file_refused_and_load_kwargs_opt_in(tmp_path: Path) -
 
 def test_planted_sampler_refused(tmp_path: Path) -> None:
     file = tmp_path / "sampler.bin"
-    marker = _plant(file)
+    marker = _plant(file, RandomSampler(range(4)))
     loader = DataLoader(TensorDataset(torch.arange(4.0)), sampler=RandomSampler(range(4)))
     with pytest.raises(UnsafeCheckpointError, match=_refusal(file)):
         load_samplers([loader], tmp_path, lambda _: loader.sampler)
+    with pytest.raises(UnsafeCheckpointError, match=_refusal(file)):
+        load_loader_files([loader], tmp_path, lambda _: loader.sampler)  # load_accelerator_state's reader
     assert not marker.exists()
+    with pytest.warns(UserWarning, match=re.escape(str(file))):
+        load_loader_files([loader], tmp_path, lambda _: loader.sampler, weights_only=False)  # its load_kwargs
+    assert marker.exists()
 
 
 def test_hf_accelerate_folder_loads(tmp_path: Path) -> None:
