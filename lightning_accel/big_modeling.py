@@ -484,6 +484,8 @@ def load_checkpoint_and_dispatch(
     strict: bool = False,
     full_state_dict: bool = True,
     broadcast_from_rank0: bool = False,
+    *,
+    weights_only: bool = True,
 ) -> nn.Module:
     """Load a (possibly sharded) checkpoint into ``model`` across devices and attach the hooks to run it.
 
@@ -505,12 +507,15 @@ def load_checkpoint_and_dispatch(
         strict: Refuse checkpoint tensors the model does not have.
         full_state_dict: Without a device map, the checkpoint is a full state dict.
         broadcast_from_rank0: Without a device map, rank 0 reads the checkpoint and broadcasts it.
+        weights_only: ``False`` unpickles trusted ``torch.save`` files in full, with a warning naming each file.
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: For a ``device_map`` string other than those above.
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a ``torch.save`` file.
+        ValueError: For a ``device_map`` string other than those above, or an index naming a shard outside its
+            folder.
 
     """
     if isinstance(device_map, str):
@@ -540,6 +545,7 @@ def load_checkpoint_and_dispatch(
         strict=strict,
         full_state_dict=full_state_dict,
         broadcast_from_rank0=broadcast_from_rank0,
+        weights_only=weights_only,
     )
     if device_map is None:
         return model

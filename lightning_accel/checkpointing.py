@@ -240,7 +240,9 @@ def load_accelerator_state(
         scaler: A ``torch.amp.GradScaler`` to restore.
         map_location: Where the weights and optimizer states are loaded: ``None`` or ``"cpu"`` (CPU), or
             ``"on_device"`` (this process's device).
-        load_kwargs: Keyword arguments for the ``torch.load`` of the optimizer, scheduler and loader files.
+        load_kwargs: Keyword arguments for the ``torch.load`` of the optimizer, scheduler and loader files (which are
+            weights-only; ``{"weights_only": False}`` unpickles a trusted folder's in full, with a warning naming
+            each file).
         **load_model_func_kwargs: Passed to each model's ``load_state_dict`` (e.g. ``strict=False``); without them
             every key must match except the tied aliases safetensors leaves out.
 
@@ -282,10 +284,13 @@ def save_custom_state(
 def load_custom_state(obj: Stateful, path: str | os.PathLike[str], index: int = 0) -> None:
     """Load ``{path}/custom_checkpoint_{index}.pkl`` into ``obj`` (``load_state_dict``).
 
-    As in Accelerate the file is unpickled in full (``weights_only=False``): registered objects may hold any
-    picklable state, so load only checkpoints you trust.
+    Unlike Accelerate (which unpickles the file in full), weights-only: a file holding more than tensors, numbers,
+    strings, containers and numpy arrays is refused naming it. Accelerate's signature has no switch: a trusted file
+    loads in full with ``lightning_accel.checkpoint.state_files.load_custom_file(obj, path, index,
+    weights_only=False)``.
 
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses the file.
         ValueError: If the file is missing or unreadable (naming it).
 
     """

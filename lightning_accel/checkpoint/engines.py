@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_accel.lightning_compat import fabric_forward_module, get_original_module
 from lightning_accel.utils.constants import MODEL_NAME
+from lightning_accel.utils.modeling.checkpoint import check_deepspeed_files
 from lightning_accel.utils.operations import _is_main_process
 
 __all__ = [
@@ -88,10 +89,21 @@ class EngineCheckpoint(ABC):
         """Write the prepared ``models`` and ``optimizers`` into ``target`` (which exists)."""
 
     @abstractmethod
-    def load(self, models: Sequence[Module], optimizers: Sequence[Any], source: Path, **kwargs: Any) -> None:
+    def load(
+        self,
+        models: Sequence[Module],
+        optimizers: Sequence[Any],
+        source: Path,
+        *,
+        weights_only: bool = True,
+        **kwargs: Any,
+    ) -> None:
         """Restore the prepared ``models`` and ``optimizers`` from ``source``.
 
+        Every file is read weights-only unless ``weights_only=False`` (a trusted folder; it warns naming each file).
+
         Raises:
+            UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
             ValueError: If ``source`` lacks a file or folder, before any process starts loading.
 
         """
@@ -119,15 +131,29 @@ class DeepSpeedCheckpoint(EngineCheckpoint):
             engine: Any = engine_module(model)
             engine.save_checkpoint(str(target), tag=indexed_name(MODEL_NAME, i), **kwargs)
 
-    def load(self, models: Sequence[Module], optimizers: Sequence[Any], source: Path, **kwargs: Any) -> None:
+    def load(
+        self,
+        models: Sequence[Module],
+        optimizers: Sequence[Any],
+        source: Path,
+        *,
+        weights_only: bool = True,
+        **kwargs: Any,
+    ) -> None:
         """Call each engine's ``load_checkpoint(source, tag)``; ``kwargs`` go to it (``load_optimizer_states``, ...).
 
+        DeepSpeed unpickles its files in full, so each tag's files are first read weights-only
+        (:func:`~lightning_accel.utils.modeling.checkpoint.check_deepspeed_files`) unless ``weights_only=False``.
+
         Raises:
+            UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
             ValueError: If a tag folder is missing, or DeepSpeed loads nothing from it.
 
         """
         tags = [indexed_name(MODEL_NAME, i) for i in range(len(models))]
         check_present(source, [(f"DeepSpeed checkpoint for model {i}", [source / tag]) for i, tag in enumerate(tags)])
+        for tag in tags:
+            check_deepspeed_files(source / tag, weights_only)
         for model, tag in zip(models, tags, strict=True):
             engine: Any = engine_module(model)
             loaded, _ = engine.load_checkpoint(str(source), tag=tag, **kwargs)

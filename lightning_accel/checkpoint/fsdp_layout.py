@@ -12,7 +12,10 @@ By ``FullyShardedDataParallelPlugin.state_dict_type`` (model ``i``, optimizer ``
 - ``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin`` (``pytorch_model_fsdp_{i}.bin``) and ``optimizer.bin``
   (``optimizer_{i}.bin``), the gathered state dicts saved with ``torch.save`` by the main process.
 - ``LOCAL_STATE_DICT`` (FSDP1, Accelerate's functions only): ``pytorch_model_fsdp_rank{r}.bin`` per process (FSDP's
-  ``ShardedTensor`` objects, unpickled in full when loaded: Accelerate's ``weights_only`` load cannot read them back).
+  ``ShardedTensor`` objects, which a weights-only load cannot rebuild: loading them needs ``weights_only=False``).
+
+Every read is weights-only unless the caller passes ``weights_only=False`` (a trusted folder; it warns naming each
+file), and a DCP directory's ``.metadata`` may only name shard files inside the directory.
 
 :class:`FSDPCheckpoint` (what ``acc_fsdp``'s ``checkpoint_engine()`` returns) goes through
 ``torch.distributed.checkpoint``'s state-dict API, which speaks FSDP1 and FSDP2, and loads whichever of the sharded and
@@ -50,8 +53,9 @@ from lightning_accel.checkpoint.fsdp_policy import FSDPSettings, fsdp_settings, 
 from lightning_accel.logging import get_logger
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from lightning_accel.utils.modeling import is_peft_model
-from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
+from lightning_accel.utils.modeling.checkpoint import contained_reader, read_checkpoint_file, weights_only_planner
 from lightning_accel.utils.operations import _is_main_process, _process_rank
+from lightning_accel.utils.other import load
 
 __all__ = [
     "FSDPCall",
@@ -124,20 +128,21 @@ def write_state(state: Any, files: FSDPFiles, full: bool, rank: int, use_dcp: bo
     return files.sharded
 
 
-def _dcp_read(directory: Path, key: str, shards: Any, flatten: bool = True) -> Any:
+def _dcp_read(directory: Path, key: str, shards: Any, weights_only: bool, flatten: bool = True) -> Any:
     """Read a DCP directory's ``key`` into ``shards`` (this process's state, which says what to read)."""
     import torch.distributed.checkpoint as dcp
 
     holder = {key: shards}
     # Re-nesting FSDP1's ShardedTensors would also turn the optimizer's param_groups into one unknown key.
-    planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=flatten)
-    dcp.load(holder, storage_reader=dcp.FileSystemReader(directory), planner=planner)
+    planner = weights_only_planner(dcp.DefaultLoadPlanner(flatten_sharded_tensors=flatten), directory, weights_only)
+    read = lambda folder: dcp.load(holder, storage_reader=contained_reader(folder), planner=planner)  # noqa: E731
+    read_checkpoint_file(directory, read)
     return holder[key]
 
 
-def _torch_read(path: Path, weights_only: bool = True, map_location: str | None = None) -> Any:
-    """``torch.load`` of one checkpoint file, naming it if it cannot be read."""
-    return read_checkpoint_file(path, lambda p: torch.load(p, map_location=map_location, weights_only=weights_only))
+def _torch_read(path: Path, weights_only: bool, map_location: str | None = None) -> Any:
+    """One checkpoint file, weights-only unless opted out, named if it cannot be read."""
+    return read_checkpoint_file(path, lambda p: load(p, map_location=map_location, weights_only=weights_only))
 
 
 class FSDPCheckpoint(EngineCheckpoint):
@@ -193,8 +198,22 @@ class FSDPCheckpoint(EngineCheckpoint):
             optimizer_state = get_optimizer_state_dict(module, raw, options=self._options(module, "optimizer"))
             write_state(optimizer_state, FSDPFiles(target, "optimizer", i), self.full, _process_rank())
 
-    def load(self, models: Sequence[Module], optimizers: Sequence[Any], source: Path, **kwargs: Any) -> None:
-        """Load shards or gathered files (whichever ``source`` holds) into the sharded models and optimizers."""
+    def load(
+        self,
+        models: Sequence[Module],
+        optimizers: Sequence[Any],
+        source: Path,
+        *,
+        weights_only: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """Load shards or gathered files (whichever ``source`` holds) into the sharded models and optimizers.
+
+        Raises:
+            UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file or entry, naming it.
+            ValueError: If ``source`` lacks a file, or a DCP directory names a file outside itself.
+
+        """
         self._check(kwargs)
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -207,14 +226,14 @@ class FSDPCheckpoint(EngineCheckpoint):
         )
         modules = [engine_module(m) for m in models]
         for module, files in zip(modules, model_files, strict=True):
-            state, options = _read(files, partial(_model_shards, module))
+            state, options = _read(files, partial(_model_shards, module), weights_only)
             set_model_state_dict(module, state, options=options)
             if self.after_load is not None:
                 self.after_load(module)
         for optimizer, files in zip(optimizers, optimizer_files, strict=True):
             raw = torch_optimizer(optimizer)
             module = _owner(modules, raw)
-            state, options = _read(files, partial(_optimizer_shards, module, raw))
+            state, options = _read(files, partial(_optimizer_shards, module, raw), weights_only)
             set_optimizer_state_dict(module, raw, state, options=options)
 
     def full_state_dict(self, model: Module, prepared: Sequence[Module]) -> dict[str, Any]:
@@ -226,7 +245,7 @@ class FSDPCheckpoint(EngineCheckpoint):
         return dict(state) if _is_main_process() else {}
 
 
-def _read(files: FSDPFiles, layout: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Any]:
+def _read(files: FSDPFiles, layout: Callable[[], dict[str, Any]], weights_only: bool) -> tuple[dict[str, Any], Any]:
     """A state dict to load and the options to load it with, from a DCP directory or a ``torch.save`` file.
 
     A sharded directory is read into this process's shards (``layout()`` gives them); a full file is read by the
@@ -235,9 +254,9 @@ def _read(files: FSDPFiles, layout: Callable[[], dict[str, Any]]) -> tuple[dict[
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     if files.sharded.is_dir():
-        state = _dcp_read(files.sharded, files.kind, layout(), flatten=False)
+        state = _dcp_read(files.sharded, files.kind, layout(), weights_only, flatten=False)
         return state, StateDictOptions(full_state_dict=False)
-    state = _torch_read(files.full, map_location="cpu") if _is_main_process() else {}
+    state = _torch_read(files.full, weights_only, map_location="cpu") if _is_main_process() else {}
     return state, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
@@ -296,6 +315,7 @@ class FSDPCall:
     index: int = 0
     adapter_only: bool = False
     use_dcp: bool = True
+    weights_only: bool = True  # False: a trusted folder, unpickled in full (with a warning naming each file)
 
     def begin(self, kind: str) -> tuple[FSDPSettings, Module, FSDPFiles]:
         """The plugin's settings, the FSDP module, and the files of this call's model or optimizer."""
@@ -346,7 +366,11 @@ def _optimizer_state(settings: FSDPSettings, module: Module, optimizer: Optimize
 
 
 def _read_accelerate_state(
-    files: FSDPFiles, settings: FSDPSettings, reading: tuple[int, bool, bool], shards: Callable[[], Any]
+    files: FSDPFiles,
+    settings: FSDPSettings,
+    reading: tuple[int, bool, bool],
+    shards: Callable[[], Any],
+    weights_only: bool,
 ) -> Any:
     """What Accelerate's load functions read, by the plugin's type.
 
@@ -355,17 +379,19 @@ def _read_accelerate_state(
         settings: The plugin's settings.
         reading: This process's rank, whether it reads a full file (else ``{}``), and ``use_dcp``.
         shards: This process's state, which says what to read from a DCP directory.
+        weights_only: ``False`` unpickles a trusted folder's files in full.
 
     """
     rank, reads_full, use_dcp = reading
     if settings.full:
-        return _torch_read(files.full) if reads_full else {}
+        return _torch_read(files.full, weights_only) if reads_full else {}
     if settings.state_dict_type.name == "LOCAL_STATE_DICT" and files.kind == "model":
-        # FSDP1's local shards are ShardedTensors, which weights_only cannot rebuild (Accelerate fails here).
-        return _torch_read(files.local(rank), weights_only=False)
+        # FSDP1's local shards are ShardedTensors, which a weights-only load refuses (Accelerate fails here too):
+        # they load with weights_only=False.
+        return _torch_read(files.local(rank), weights_only)
     if use_dcp:
-        return _dcp_read(files.sharded_to_read(), files.kind, shards())
-    return _torch_read(files.per_rank(rank))
+        return _dcp_read(files.sharded_to_read(), files.kind, shards(), weights_only)
+    return _torch_read(files.per_rank(rank), weights_only)
 
 
 def save_model(call: FSDPCall) -> None:
@@ -408,7 +434,7 @@ def load_model(call: FSDPCall) -> Any:
             return None
         reads_full = not fsdp2 or accelerator.is_main_process  # FSDP2 broadcasts process 0's (broadcast_from_rank0)
         shards = partial(_model_state, module, call.adapter_only, options)
-        state = _read_accelerate_state(files, settings, (rank, reads_full, call.use_dcp), shards)
+        state = _read_accelerate_state(files, settings, (rank, reads_full, call.use_dcp), shards, call.weights_only)
         result = _set_model_state(module, state, call.adapter_only, options)
     accelerator.wait_for_everyone()
     return result
@@ -440,7 +466,8 @@ def load_optimizer(call: FSDPCall, optimizer: Any) -> None:
         shards = partial(_optimizer_state, settings, module, raw, options)
         state: Any = None  # on the processes that read no gathered file
         if reads_full or not settings.full:
-            state = _read_accelerate_state(files, settings, (rank, reads_full, call.use_dcp), shards)
+            reading = (rank, reads_full, call.use_dcp)
+            state = _read_accelerate_state(files, settings, reading, shards, call.weights_only)
         if settings.version == 1:
             flat = FullyShardedDataParallel.optim_state_dict_to_load(model=module, optim=raw, optim_state_dict=state)
             raw.load_state_dict(flat)

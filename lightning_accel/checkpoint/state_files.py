@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ from lightning_accel.utils.constants import (
     SCHEDULER_NAME,
     WEIGHTS_NAME,
 )
+from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 from lightning_accel.utils.other import load
 from lightning_accel.utils.random import get_rng_states, set_rng_states
 
@@ -252,13 +254,16 @@ def _write_loader_files(dataloaders: Sequence[Any], target: Path, sampler_of: Sa
 def read_file(path: Path, reader: Callable[[Path], Any]) -> Any:
     """``reader(path)``, any failure (a missing file too) raised as ``ValueError`` naming the file.
 
+    A weights-only refusal says so, naming the file and the opt-in (:func:`read_checkpoint_file`).
+
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refused the file.
         ValueError: Naming ``path`` and the reader's error.
 
     """
     try:
-        return reader(path)
-    except Exception as err:
+        return read_checkpoint_file(path, reader)
+    except FileNotFoundError as err:
         raise ValueError(
             f"Could not read checkpoint file {path}: {err}. The file may be truncated or corrupt."
         ) from err
@@ -297,7 +302,7 @@ def load_model_weights(
 
         state = read_file(safe, lambda p: load_file(p, device=str(map_location)))
     elif plain.is_file():
-        state = read_file(plain, lambda p: torch.load(p, map_location=map_location, weights_only=True))
+        state = read_file(plain, lambda p: load(p, map_location=map_location))
     else:
         raise ValueError(f"Checkpoint {source} has no weights for model {index}: expected {safe.name} or {plain.name}.")
     own = module.state_dict()
@@ -326,10 +331,11 @@ def load_state_dicts(
         obj.load_state_dict(read_file(path, lambda p: _torch_load(p, map_location, **load_kwargs)))
 
 
-def load_custom_objects(objects: Sequence[Stateful], source: Path) -> None:
+def load_custom_objects(objects: Sequence[Stateful], source: Path, *, weights_only: bool = True) -> None:
     """Load every ``custom_checkpoint_<i>.pkl`` of ``source`` into the registered ``objects``, in order.
 
-    As in Accelerate the files are unpickled in full (``weights_only=False``): load only checkpoints you trust.
+    Weights-only by default (unlike Accelerate): a file holding other objects than tensors, numbers, strings and
+    containers is refused naming it; ``weights_only=False`` unpickles a trusted folder in full, with a warning.
 
     Raises:
         ValueError: If the folder holds another number of files than there are objects, or a file is unreadable.
@@ -342,22 +348,28 @@ def load_custom_objects(objects: Sequence[Stateful], source: Path) -> None:
             " registered; call register_for_checkpointing with the same objects, in the same order, as when saving."
         )
     for (index, _), obj in zip(files, objects, strict=True):
-        load_custom_file(obj, source, index)
+        load_custom_file(obj, source, index, weights_only=weights_only)
 
 
-def load_custom_file(obj: Stateful, folder: str | os.PathLike[str], index: int) -> None:
-    """Load ``{folder}/custom_checkpoint_{index}.pkl`` into ``obj`` (a full unpickling, as in Accelerate).
+def load_custom_file(obj: Stateful, folder: str | os.PathLike[str], index: int, *, weights_only: bool = True) -> None:
+    """Load ``{folder}/custom_checkpoint_{index}.pkl`` into ``obj`` (weights-only unless ``weights_only=False``).
 
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses the file, naming it.
         ValueError: If the file is missing or unreadable (naming it).
 
     """
     location = custom_file(folder, index)
-    obj.load_state_dict(read_file(location, lambda p: torch.load(p, map_location="cpu", weights_only=False)))
+    obj.load_state_dict(read_file(location, lambda p: load(p, map_location="cpu", weights_only=weights_only)))
 
 
-def load_samplers(dataloaders: Sequence[Any], source: Path, sampler_of: SamplerOf) -> None:
+def load_samplers(
+    dataloaders: Sequence[Any], source: Path, sampler_of: SamplerOf, *, weights_only: bool = True
+) -> None:
     """Put each loader's pickled sampler (``sampler.bin``, ...) back, for the loaders ``sampler_of`` names.
+
+    Weights-only by default, with the sampler and dataset classes the file names allowed (:func:`sampler_globals`);
+    ``weights_only=False`` unpickles a trusted folder's other samplers, with a warning.
 
     Raises:
         ValueError: For a sampler file that is missing or unreadable.
@@ -366,26 +378,52 @@ def load_samplers(dataloaders: Sequence[Any], source: Path, sampler_of: SamplerO
     for i, dataloader in enumerate(dataloaders):
         if sampler_of(dataloader) is not None:
             path = source / indexed(f"{SAMPLER_NAME}.bin", i)
-            _set_sampler(dataloader, read_file(path, lambda p: torch.load(p, weights_only=False)))  # a pickled sampler
+            sampler = read_file(path, lambda p: load(p, extra_globals=sampler_globals(p), weights_only=weights_only))
+            _set_sampler(dataloader, sampler)
 
 
 def load_loader_files(
-    dataloaders: Sequence[Any], source: Path, sampler_of: SamplerOf = _no_sampler, **load_kwargs: Any
+    dataloaders: Sequence[Any],
+    source: Path,
+    sampler_of: SamplerOf = _no_sampler,
+    *,
+    weights_only: bool = True,
+    **load_kwargs: Any,
 ) -> None:
     """Restore each loader's pickled sampler (``sampler.bin``) and stateful-loader state (``dl_state_dict.bin``).
 
     (``Accelerator.load_state`` resumes stateful loaders with :func:`load_process_states` instead, which also
-    checks that the state belongs to this number of processes.)
+    checks that the state belongs to this number of processes.) Both are weights-only unless ``weights_only=False``
+    (Accelerate's ``load_kwargs={"weights_only": False}``), which unpickles them in full with a warning.
 
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
         ValueError: For a sampler file that is missing or unreadable, or an unreadable state file.
 
     """
-    load_samplers(dataloaders, source, sampler_of)
+    load_samplers(dataloaders, source, sampler_of, weights_only=weights_only)
     for i, dataloader in enumerate(dataloaders):
         state_file = source / state_file_name(i)
         if getattr(dataloader, "use_stateful_dataloader", False) and state_file.is_file():
-            dataloader.load_state_dict(read_file(state_file, lambda p: _torch_load(p, None, **load_kwargs)))
+            read = lambda p: _torch_load(p, None, weights_only=weights_only, **load_kwargs)  # noqa: E731
+            dataloader.load_state_dict(read_file(state_file, read))
+
+
+def sampler_globals(path: Path) -> list[type]:
+    """The globals of ``path`` a weights-only load of a sampler file may rebuild.
+
+    What a pickled sampler holds (Accelerate pickles the sampler with its dataset): classes named in the file that
+    are ``torch.utils.data`` ``Sampler`` or ``Dataset`` subclasses of an already imported module (nothing is
+    imported, so no function and no other class can be called), ``torch.Generator`` (a seeded sampler's) and ``range``
+    (an index range as data source).
+    """
+    allowed: list[type] = [torch.Generator, range]
+    for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
+        module_name, _, attribute = name.rpartition(".")
+        candidate = getattr(sys.modules.get(module_name), attribute, None)
+        if isinstance(candidate, type) and issubclass(candidate, (torch.utils.data.Sampler, torch.utils.data.Dataset)):
+            allowed.append(candidate)
+    return allowed
 
 
 def _set_sampler(dataloader: Any, sampler: Any) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_accel.utils.other import convert_bytes
+from lightning_accel.utils.other import convert_bytes, load
 
 __all__ = ["add_estimate_memory_parser", "checkpoint_meta_model", "estimate_table", "meta_model"]
 
@@ -174,7 +174,7 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dt
 
 def _torch_file_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     try:
-        state = torch.load(path, map_location="meta", weights_only=True)
+        state = load(path, map_location="meta")
     except Exception as err:  # torch raises many kinds for files it cannot unpickle safely
         raise ValueError(f"{path} is not a state dict torch.load can read with weights_only=True ({err})") from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state

@@ -50,9 +50,9 @@ def add_merge_weights_parser(commands: argparse._SubParsersAction[argparse.Argum
 
 def _sharded_entries(source: Path) -> list[str]:
     """The top-level entries a ``torch.distributed.checkpoint`` folder holds shards of (``state_dict``, ...)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from lightning_accel.utils.modeling.checkpoint import contained_reader
 
-    keys = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    keys = contained_reader(source).read_metadata().state_dict_metadata  # .metadata checked before DCP unpickles it
     return sorted({key.split(".", 1)[0] for key in keys})
 
 

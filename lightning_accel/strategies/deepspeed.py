@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
@@ -47,7 +48,7 @@ from lightning_accel.lightning_compat import (
     set_backward_sync_control,
     set_config_initialized,
 )
-from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
+from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO, resolve_weights_only
 from lightning_accel.strategies.deepspeed_core import (
     DeepSpeedFamily,
     TrainingFacts,
@@ -76,7 +77,12 @@ from lightning_accel.strategies.protocol import (
 )
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.deepspeed import DummyOptim
-from lightning_accel.utils.modeling.checkpoint import consolidate_deepspeed_checkpoint, read_checkpoint_file
+from lightning_accel.utils.modeling.checkpoint import (
+    check_deepspeed_files,
+    consolidate_deepspeed_checkpoint,
+    deepspeed_tag_folder,
+    read_checkpoint_file,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -86,6 +92,23 @@ __all__ = [
     "FabricAcceleratedDeepSpeedStrategy",
     "consolidate_deepspeed_checkpoint",
 ]
+
+
+def check_deepspeed_folder(path: _PATH, weights_only: bool | None) -> None:
+    """Check a DeepSpeed checkpoint folder before DeepSpeed unpickles it in full.
+
+    Its ``latest`` tag must stay inside it, and each file of the tag must load weights-only (unless
+    ``weights_only=False``, which warns naming each file). A path that is no DeepSpeed folder (a single
+    full-weights file) is left to the checkpoint I/O, which reads it weights-only itself.
+
+    Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
+        ValueError: If the ``latest`` tag names a folder outside ``path``.
+
+    """
+    folder = Path(path)
+    if folder.is_dir() and (folder / "latest").is_file():
+        check_deepspeed_files(deepspeed_tag_folder(folder), resolve_weights_only(weights_only))
 
 
 class _OnDevices(Protocol):
@@ -231,7 +254,14 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's loading, with a checkpoint DeepSpeed cannot read named in the error."""
+        """Lightning's loading, weights-only (:func:`check_deepspeed_folder`), a file it cannot read named.
+
+        Raises:
+            UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
+            ValueError: If the checkpoint cannot be read, naming it, or its ``latest`` tag is outside it.
+
+        """
+        check_deepspeed_folder(checkpoint_path, weights_only)
         parent = super().load_checkpoint
         return read_checkpoint_file(checkpoint_path, lambda path: parent(path, weights_only))
 
@@ -437,6 +467,24 @@ class FabricAcceleratedDeepSpeedStrategy(
         self._from_prepare = False
 
     precision = deepspeed_translating(_FabricDeepSpeedStrategy.precision, FabricDeepSpeedPrecision)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Lightning's loading, weights-only (:func:`check_deepspeed_folder`).
+
+        Raises:
+            UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
+            ValueError: If the ``latest`` tag of the folder is outside it.
+
+        """
+        check_deepspeed_folder(path, weights_only)
+        return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
     def configure_from_prepare(
         self,

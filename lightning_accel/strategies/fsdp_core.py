@@ -29,7 +29,14 @@ from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names
 from lightning_accel.strategies.lightning_arguments import StartMethod
 from lightning_accel.strategies.precision_bridge import strategy_precision
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
-from lightning_accel.utils.modeling.checkpoint import METADATA_FILENAME, is_sharded_checkpoint, read_checkpoint_file
+from lightning_accel.utils.modeling.checkpoint import (
+    METADATA_FILENAME,
+    contained_reader,
+    is_sharded_checkpoint,
+    read_checkpoint_file,
+    weights_only_planner,
+)
+from lightning_accel.utils.other import load
 
 _MODEL_KEY = "state_dict"
 _OPTIMIZER_PREFIX = "optimizer_"
@@ -183,11 +190,14 @@ class FSDPFamily:
         if is_global_zero:
             torch.save({k: v for k, v in state.items() if k not in keys}, path / METADATA_FILENAME)
 
-    def load_into(self, path: Path, state: dict[str, Any], model: Module, strict: bool = True) -> dict[str, Any]:
+    def load_into(
+        self, path: Path, state: dict[str, Any], model: Module, strict: bool = True, *, weights_only: bool = True
+    ) -> dict[str, Any]:
         """Load a checkpoint file or sharded directory into the live objects of ``state``.
 
         Modules and optimizers in ``state`` are loaded in place (``model`` is the sharded module the optimizers
-        belong to); other entries of ``state`` are replaced by the checkpoint's values.
+        belong to); other entries of ``state`` are replaced by the checkpoint's values. Every file is read
+        weights-only unless ``weights_only=False`` (a trusted checkpoint; it warns naming the file).
 
         Returns:
             What the checkpoint holds beyond the keys of ``state``.
@@ -195,6 +205,7 @@ class FSDPFamily:
         Raises:
             FileNotFoundError: If ``path`` is neither a checkpoint file nor a sharded checkpoint directory.
             KeyError: If ``strict`` and the checkpoint lacks one of the keys of ``state``.
+            UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
 
         """
         from torch.distributed.checkpoint.state_dict import (
@@ -207,10 +218,11 @@ class FSDPFamily:
 
         live = {k: v for k, v in state.items() if isinstance(v, (Module, Optimizer))}
         if is_sharded_checkpoint(path):
-            checkpoint = self._read_sharded(path, live, model)
+            checkpoint = self._read_sharded(path, live, model, weights_only)
             options = StateDictOptions(strict=strict)
         elif path.is_file():
-            checkpoint = _optimizer_list_to_keys(read_checkpoint_file(path, _torch_load_on_cpu))
+            read = lambda p: load(p, map_location="cpu", weights_only=weights_only)  # noqa: E731
+            checkpoint = _optimizer_list_to_keys(read_checkpoint_file(path, read))
             options = StateDictOptions(full_state_dict=True, strict=strict)
         else:
             raise FileNotFoundError(
@@ -234,10 +246,11 @@ class FSDPFamily:
                 state[key] = checkpoint.pop(key)
         return checkpoint
 
-    def load_raw_module(self, path: Path, module: Module, strict: bool = True) -> None:
+    def load_raw_module(self, path: Path, module: Module, strict: bool = True, *, weights_only: bool = True) -> None:
         """Load a plain full state-dict file (``torch.save(model.state_dict())``) into the sharded ``module``.
 
-        This is ``fabric.load_raw(path, model)``: every process reads the file and keeps its own shards.
+        This is ``fabric.load_raw(path, model)``: every process reads the file (weights-only unless
+        ``weights_only=False``) and keeps its own shards.
 
         Raises:
             ValueError: If ``path`` is a sharded checkpoint directory rather than one state-dict file.
@@ -255,7 +268,8 @@ class FSDPFamily:
             )
         if not path.is_file():
             raise FileNotFoundError(f"No state-dict file at {str(path)!r}.")
-        state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        read = lambda p: load(p, map_location="cpu", mmap=True, weights_only=weights_only)  # noqa: E731
+        state_dict = read_checkpoint_file(path, read)
         set_model_state_dict(module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
         refresh_float8_scales(module)
 
@@ -266,14 +280,22 @@ class FSDPFamily:
         self.save_sharded(state, shard_keys, path, is_global_zero)
 
     def load_trainer_checkpoint(
-        self, path: Path, model: Module, optimizers: Iterable[Optimizer], strict: bool = True
+        self,
+        path: Path,
+        model: Module,
+        optimizers: Iterable[Optimizer],
+        strict: bool = True,
+        *,
+        weights_only: bool = True,
     ) -> dict[str, Any]:
         """Load a Trainer checkpoint into the sharded model and its optimizers; returns the loop and callback state."""
         state: dict[str, Any] = {_MODEL_KEY: model}
         state.update({f"{_OPTIMIZER_PREFIX}{i}": optimizer for i, optimizer in enumerate(optimizers)})
-        return self.load_into(path, state, model, strict=strict)
+        return self.load_into(path, state, model, strict=strict, weights_only=weights_only)
 
-    def _read_sharded(self, path: Path, live: dict[str, Module | Optimizer], model: Module) -> dict[str, Any]:
+    def _read_sharded(
+        self, path: Path, live: dict[str, Module | Optimizer], model: Module, weights_only: bool
+    ) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
 
         shards = {
@@ -282,8 +304,11 @@ class FSDPFamily:
             else self.optimizer_state_dict(model, value, full=False)
             for key, value in live.items()
         }
-        read_checkpoint_file(path, lambda folder: dcp.load(shards, checkpoint_id=folder))
-        metadata = read_checkpoint_file(path / METADATA_FILENAME, _torch_load_on_cpu)
+        planner = weights_only_planner(dcp.DefaultLoadPlanner(), path, weights_only)
+        reader = contained_reader(path)
+        read_checkpoint_file(path, lambda _: dcp.load(shards, storage_reader=reader, planner=planner))
+        read = lambda p: load(p, map_location="cpu", weights_only=weights_only)  # noqa: E731
+        metadata = read_checkpoint_file(path / METADATA_FILENAME, read)
         return {**metadata, **shards}
 
     def _options(self, model: Module, full: bool | None, config: Any = None) -> Any:
@@ -353,10 +378,6 @@ class FSDPFamily:
             pattern = re.compile(ignored)
             return [m for name, m in root.named_modules() if name and pattern.fullmatch(name)]
         return list(ignored)
-
-
-def _torch_load_on_cpu(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 class FSDPOptions(ProcessGroupOptions, total=False):

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.lightning_compat import get_forward_redirection
+from lightning_accel.strategies.checkpoint_io import resolve_weights_only
 from lightning_accel.strategies.fsdp_core import FSDPFamily, checkpoint_value, load_target_error
 
 if TYPE_CHECKING:
@@ -155,7 +156,8 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
-        return self._sharding.load_trainer_checkpoint(path, self.model, optimizers, strict)
+        safe = resolve_weights_only(weights_only)
+        return self._sharding.load_trainer_checkpoint(path, self.model, optimizers, strict, weights_only=safe)
 
 
 class ShardedFabricAdapter(_Sharded, _FabricBase):
@@ -213,17 +215,22 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
     ) -> dict[str, Any]:
         """Load into live objects (``fabric.load``), or a full state-dict file into a module (``fabric.load_raw``).
 
+        Weights-only unless ``weights_only=False`` (a trusted checkpoint; it warns naming each file).
+
         Raises:
             ValueError: If ``state`` is neither a module nor a dict holding exactly one module.
 
         """
         if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
-            self._sharding.load_raw_module(Path(self.broadcast(path)), state, strict=strict)
+            raw = Path(self.broadcast(path))
+            self._sharding.load_raw_module(raw, state, strict=strict, weights_only=resolve_weights_only(weights_only))
             return {}
         if not isinstance(state, dict):
             raise ValueError(load_target_error(self._checkpoint_label, state))
         path = Path(self.broadcast(path))
-        return self._sharding.load_into(path, state, self._single_module(state), strict=strict)
+        module = self._single_module(state)
+        safe = resolve_weights_only(weights_only)
+        return self._sharding.load_into(path, state, module, strict=strict, weights_only=safe)
 
     def _single_module(self, state: dict[str, Any]) -> Module:
         modules = [v for v in state.values() if isinstance(v, Module)]

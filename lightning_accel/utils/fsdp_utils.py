@@ -19,7 +19,6 @@ import functools
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -31,6 +30,7 @@ import torch
 from lightning_accel.logging import get_logger
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+from lightning_accel.utils.modeling.checkpoint import read_sharded_entries
 from lightning_accel.utils.modeling.tensors import get_non_persistent_buffers
 from lightning_accel.utils.operations import _is_main_process
 from lightning_accel.utils.other import get_module_children_bottom_up, is_compiled_module, save
@@ -106,12 +106,7 @@ def _check_checkpoint_dir(checkpoint_dir: Path) -> None:
 
 def _load_merged(checkpoint_dir: Path) -> dict[str, Any]:
     """Read every shard of a ``torch.distributed.checkpoint`` directory into one state dict, in this process."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as folder:
-        merged = os.path.join(folder, "merged.pt")
-        dcp_to_torch_save(checkpoint_dir, merged)
-        state: dict[str, Any] = torch.load(merged, map_location="cpu", weights_only=True)
+    state = read_sharded_entries(checkpoint_dir)
     if len(state) == 1:  # save_state stores {"model": <state dict>} (or {"optimizer": ...})
         (only,) = state.values()
         if isinstance(only, dict):
@@ -725,8 +720,13 @@ def load_fsdp_model(
     model_index: int = 0,
     adapter_only: bool = False,
     use_dcp: bool = True,
+    *,
+    weights_only: bool = True,
 ) -> Any:
     """Load what :func:`save_fsdp_model` (or Accelerate's) wrote into an FSDP model; every process calls it.
+
+    Every file is read weights-only unless ``weights_only=False`` (a trusted folder; it warns naming each file; FSDP1's
+    ``LOCAL_STATE_DICT`` shards, which hold ``ShardedTensor`` objects, need it).
 
     With ``FULL_STATE_DICT`` and FSDP1, only process 0 reads the file when the model's states are synced from it
     (``sync_module_states``), as in Accelerate; with FSDP2 process 0 reads it and broadcasts.
@@ -735,6 +735,7 @@ def load_fsdp_model(
         What the model's ``load_state_dict`` returned (``None`` on the processes that load nothing).
 
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
         ValueError: Under FSDP1 with ``FULL_STATE_DICT`` on a process other than 0 when ``model`` is not FSDP-wrapped
             and ``sync_module_states`` is off (that process would keep its own weights).
 
@@ -742,7 +743,9 @@ def load_fsdp_model(
     from lightning_accel.checkpoint import fsdp_layout
 
     return fsdp_layout.load_model(
-        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
+        fsdp_layout.FSDPCall(
+            fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp, weights_only
+        )
     )
 
 
@@ -776,8 +779,12 @@ def load_fsdp_optimizer(
     optimizer_index: int = 0,
     adapter_only: bool = False,
     use_dcp: bool = True,
+    *,
+    weights_only: bool = True,
 ) -> None:
     """Load what :func:`save_fsdp_optimizer` (or Accelerate's) wrote into the optimizer; every process calls it.
+
+    Every file is read weights-only unless ``weights_only=False`` (a trusted folder; it warns naming each file).
 
     ``adapter_only`` is accepted for Accelerate's signature and unused, as there.
     """
@@ -785,5 +792,8 @@ def load_fsdp_optimizer(
 
     del adapter_only
     fsdp_layout.load_optimizer(
-        fsdp_layout.FSDPCall(fsdp_plugin, accelerator, model, input_dir, optimizer_index, use_dcp=use_dcp), optimizer
+        fsdp_layout.FSDPCall(
+            fsdp_plugin, accelerator, model, input_dir, optimizer_index, use_dcp=use_dcp, weights_only=weights_only
+        ),
+        optimizer,
     )

@@ -10,12 +10,15 @@ import codecs
 import collections
 import functools
 import os
+import pickle
 import platform
 import re
 import socket
 import sys
+import warnings
+from collections.abc import Callable, Sequence
 from types import MethodType
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -26,6 +29,7 @@ from lightning_accel.state import PartialState
 
 __all__ = [
     "TORCH_SAFE_GLOBALS",
+    "UnsafeCheckpointError",
     "check_os_kernel",
     "clean_state_dict_for_safetensors",
     "compile_regions",
@@ -142,15 +146,108 @@ if hasattr(np, "dtypes"):  # numpy 1.25 and newer
     TORCH_SAFE_GLOBALS.append(np.dtypes.UInt32DType)
 
 
-def load(f: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) -> Any:
-    """``torch.load`` with ``weights_only=True`` unless the caller passes ``weights_only=False``.
+class UnsafeCheckpointError(ValueError):
+    """A weights-only load refused a checkpoint file: rebuilding what it holds would run code the file names."""
 
-    As in Accelerate, the numpy types of :data:`TORCH_SAFE_GLOBALS` are allowed while it loads (so
-    ``random_states_{i}.pkl`` loads with ``weights_only``); the allowed globals are restored afterwards.
+
+def unsafe_checkpoint_error(path: str | os.PathLike[str], err: pickle.UnpicklingError) -> UnsafeCheckpointError:
+    """The refusal of ``path`` as unsafe, naming the file, torch's reason and the opt-in ``weights_only=False``."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else repr(err))
+    return UnsafeCheckpointError(
+        f"Refused to load {os.fspath(path)} as unsafe: a weights-only load cannot rebuild what it holds ({reason}),"
+        " and unpickling it in full would run any code it names. If you trust this checkpoint, load it with"
+        " weights_only=False."
+    )
+
+
+def is_weights_only_refusal(err: BaseException) -> bool:
+    """Whether ``err`` is torch's refusal of a file by a weights-only load (not a truncated or corrupt file)."""
+    return isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err)
+
+
+def warn_full_unpickling(path: str | os.PathLike[str], stacklevel: int = 2) -> None:
+    """Warn that ``path`` is unpickled in full (``weights_only=False``), naming it."""
+    warnings.warn(
+        f"Loading {os.fspath(path)} with weights_only=False: unpickling runs any code the file holds; do this only"
+        " for a checkpoint you trust.",
+        stacklevel=stacklevel + 1,
+    )
+
+
+def load(
+    f: str | os.PathLike[str] | IO[bytes],
+    map_location: Any = None,
+    *,
+    weights_only: bool = True,
+    extra_globals: Sequence[Callable[..., object]] = (),
+    name: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``torch.load``, weights-only unless the caller passes ``weights_only=False``.
+
+    The one place this package loads a pickled checkpoint file. As in Accelerate, the numpy types of
+    :data:`TORCH_SAFE_GLOBALS` are allowed while it loads (so ``random_states_{i}.pkl`` loads weights-only), with
+    ``extra_globals`` (the exact types a caller's file holds); the allowed globals are restored afterwards. A file
+    that needs more than the allowlist is refused naming the file and the opt-in; the opt-in warns naming the file.
+
+    Args:
+        f: The file (or an open binary file, with ``name``).
+        map_location: As for ``torch.load``.
+        weights_only: ``False`` unpickles the file in full (only for a checkpoint you trust), with a warning.
+        extra_globals: Types a weights-only load may rebuild besides tensors, containers and numpy's.
+        name: How the refusal and the warning name the file (default: ``f``).
+        **kwargs: For ``torch.load`` (``mmap``, ...).
+
+    Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses the file.
+
     """
-    kwargs.setdefault("weights_only", True)
-    with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
-        return torch.load(f, map_location=map_location, **kwargs)
+    label = name if name is not None else os.fspath(cast("str | os.PathLike[str]", f))
+    if not weights_only:
+        warn_full_unpickling(label)
+        return torch.load(f, map_location=map_location, weights_only=False, **kwargs)
+    with torch.serialization.safe_globals([*TORCH_SAFE_GLOBALS, *extra_globals]):
+        try:
+            return torch.load(f, map_location=map_location, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as err:
+            raise unsafe_checkpoint_error(label, err) from err
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """A plain-pickle unpickler that rebuilds only the globals ``allowed`` accepts (``pickle``'s own recipe)."""
+
+    def __init__(self, file: IO[bytes], allowed: Callable[[str, str], bool]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self._allowed(module, name):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"WeightsUnpickler error: Unsupported global: GLOBAL {module}.{name} is not allowed"
+        )
+
+
+def load_pickle(f: str | os.PathLike[str], allowed: Callable[[str, str], bool]) -> Any:
+    """Unpickle a plain pickle file (not a ``torch.save`` archive) rebuilding only the globals ``allowed`` accepts.
+
+    For the plain pickles engines write besides their tensors (``torch.distributed.checkpoint``'s ``.metadata``),
+    which torch's weights-only unpickler cannot read; the refusal is :func:`load`'s.
+
+    Args:
+        f: The file.
+        allowed: Whether ``(module, name)`` may be rebuilt.
+
+    Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If the file names a global ``allowed`` refuses.
+
+    """
+    with open(f, "rb") as file:
+        try:
+            return _AllowlistUnpickler(file, allowed).load()
+        except pickle.UnpicklingError as err:
+            raise unsafe_checkpoint_error(f, err) from err
 
 
 def wait_for_everyone() -> None:

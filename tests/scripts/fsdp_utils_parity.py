@@ -189,7 +189,9 @@ def checkpoint_round(name: str, out: Path) -> dict[str, Any]:
         fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.05)
         train_step(fresh, fresh_optimizer, seed=7)  # an optimizer state to overwrite
         result[f"{label}_initial"] = full_weights(fresh)
-        library.load_fsdp_model(plugin, accelerator, fresh, str(source), use_dcp=use_dcp)
+        # FSDP1's local shards are ShardedTensors, which our weights-only load refuses: this folder is trusted.
+        trusted = {"weights_only": False} if local and library is our_fsdp else {}
+        library.load_fsdp_model(plugin, accelerator, fresh, str(source), use_dcp=use_dcp, **trusted)
         result[f"{label}_model"] = full_weights(fresh)
         if library is our_fsdp or name not in HF_CANNOT_LOAD_OPTIMIZER:
             library.load_fsdp_optimizer(plugin, accelerator, fresh_optimizer, fresh, str(source), use_dcp=use_dcp)

@@ -20,16 +20,18 @@ The offline readers of this package's strategy checkpoints live here too, as the
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import pickle
 import shutil
+import sys
 import tempfile
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from safetensors import safe_open
@@ -49,18 +51,39 @@ from lightning_accel.utils.modeling.tensors import (
     set_module_tensor_to_device,
 )
 from lightning_accel.utils.offload import load_offloaded_weight, offload_weight, save_offload_index
+from lightning_accel.utils.other import (
+    UnsafeCheckpointError,
+    is_weights_only_refusal,
+    load,
+    load_pickle,
+    unsafe_checkpoint_error,
+    warn_full_unpickling,
+)
 
 __all__ = [
     "METADATA_FILENAME",
+    "CheckpointPathError",
+    "check_deepspeed_files",
     "consolidate_deepspeed_checkpoint",
+    "contained_path",
+    "contained_reader",
+    "deepspeed_globals",
+    "deepspeed_tag_folder",
     "is_sharded_checkpoint",
     "load_checkpoint_in_model",
     "load_full_state_dict",
     "load_offloaded_weights",
     "load_state_dict",
     "read_checkpoint_file",
+    "read_sharded_entries",
     "strip_prefix",
+    "weights_only_planner",
 ]
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 logger = logging.getLogger(__name__)
 
@@ -72,20 +95,170 @@ P = TypeVar("P", bound="str | os.PathLike[str]")
 def read_checkpoint_file(path: P, reader: Callable[[P], T]) -> T:
     """``reader(path)``, with any failure but a missing file re-raised naming ``path``.
 
+    A weights-only refusal (the reader's own load, or torch's inside an engine's reader) is reported as one, naming
+    ``path`` and the opt-in, not as a truncated file.
+
     Raises:
         FileNotFoundError: If ``path`` does not exist (as the reader raised it).
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refused the file.
+        CheckpointPathError: (a ``ValueError``) If the checkpoint names a file outside its folder.
         ValueError: If the reader failed on the file's content, naming the file and the reader's reason.
 
     """
     try:
         return reader(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, UnsafeCheckpointError, CheckpointPathError):
         raise
     except Exception as err:
+        if is_weights_only_refusal(err):
+            raise unsafe_checkpoint_error(path, cast(pickle.UnpicklingError, err)) from err
         raise ValueError(
             f"Could not read checkpoint file {path}: {str(err).rstrip('.')}. The file may be truncated or corrupt "
             "(a save that was interrupted, a partial copy) or not a checkpoint; point to an intact checkpoint."
         ) from err
+    except BaseException as err:  # DCP's CheckpointException wraps each process's error
+        refusal = _refusal_inside(err)
+        if refusal is None:
+            raise
+        raise refusal from err
+
+
+class CheckpointPathError(ValueError):
+    """A checkpoint names a file outside its own folder."""
+
+
+def contained_path(folder: str | os.PathLike[str], entry: str, named_in: str | os.PathLike[str]) -> Path:
+    """``folder / entry`` resolved, refused unless it stays inside ``folder``.
+
+    Every path a checkpoint names (a safetensors index's ``weight_map`` entry, a DeepSpeed ``latest`` tag, an FSDP
+    layout's file) goes through here, so a hostile checkpoint cannot make a load read outside its folder.
+
+    Args:
+        folder: The checkpoint folder.
+        entry: The path as the checkpoint names it (relative to ``folder``).
+        named_in: The file that names ``entry`` (for the error).
+
+    Raises:
+        CheckpointPathError: (a ``ValueError``) If ``entry`` is absolute or resolves (through ``..`` or a link)
+            outside ``folder``, naming the entry, the folder and the file that named it.
+
+    """
+    root = Path(folder).resolve()
+    resolved = (root / entry).resolve()
+    if Path(entry).is_absolute() or not resolved.is_relative_to(root) or resolved == root:
+        raise CheckpointPathError(
+            f"{os.fspath(named_in)} names {entry!r}, which is outside the checkpoint folder {os.fspath(root)}"
+            f" (it resolves to {os.fspath(resolved)}); refusing to read it. A checkpoint may only name files inside"
+            " its own folder: repair or replace the checkpoint."
+        )
+    return resolved
+
+
+def weights_only_planner(
+    planner: LoadPlanner, folder: str | os.PathLike[str], weights_only: bool = True
+) -> LoadPlanner:
+    """``planner`` (a DCP load planner for ``folder``) with its non-tensor entries loaded weights-only.
+
+    DCP unpickles each non-tensor entry of a sharded folder in full (``weights_only=False``); the returned planner
+    first loads the entry weights-only through :func:`~lightning_accel.utils.other.load`, so an entry holding
+    anything else is refused naming the folder, the entry and the opt-in, and nothing in it runs.
+    ``weights_only=False`` leaves DCP's full unpickling, with a warning naming the folder.
+
+    Args:
+        planner: The planner the read would use (``DefaultLoadPlanner``, ...); changed in place and returned.
+        folder: The sharded checkpoint folder (for the refusal and the warning).
+        weights_only: ``False`` for a folder you trust.
+
+    """
+    if not weights_only:
+        warn_full_unpickling(folder)
+        return planner
+    unpickle = planner.load_bytes
+
+    def load_bytes(read_item: ReadItem, value: io.BytesIO) -> None:
+        load(value, map_location="cpu", name=f"{os.fspath(folder)} (its entry {read_item.dest_index.fqn!r})")
+        value.seek(0)  # what a weights-only load accepts is safe to hand to DCP's full unpickling
+        unpickle(read_item, value)
+
+    planner.load_bytes = load_bytes  # type: ignore[method-assign]
+    return planner
+
+
+# What DCP's ``.metadata`` pickles besides its own dataclasses and torch's dtypes.
+_DCP_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", kind) for kind in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+
+
+def _dcp_metadata_global(module: str, name: str) -> bool:
+    """Whether a DCP ``.metadata`` file may rebuild ``module.name``: its own dataclasses, sizes, dtypes, paths."""
+    if module == "torch.distributed.checkpoint.metadata":
+        return isinstance(getattr(sys.modules.get(module), name, None), type)
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return True
+    return (module, name) in _DCP_METADATA_GLOBALS
+
+
+def contained_reader(folder: str | os.PathLike[str]) -> FileSystemReader:
+    """DCP's ``FileSystemReader`` for ``folder``, once its ``.metadata`` is checked.
+
+    DCP unpickles ``.metadata`` in full; it is first unpickled here with only DCP's metadata types allowed
+    (:func:`~lightning_accel.utils.other.load_pickle`), and every shard file it names must stay inside ``folder``.
+
+    Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If ``.metadata`` holds other objects, naming it.
+        CheckpointPathError: (a ``ValueError``) For a shard path outside ``folder``, naming it
+            (:func:`contained_path`).
+
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata_file = Path(folder) / ".metadata"
+    if metadata_file.is_file():
+        metadata: Metadata = read_checkpoint_file(metadata_file, lambda p: load_pickle(p, _dcp_metadata_global))
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            contained_path(folder, os.fspath(info.relative_path), metadata_file)
+    return FileSystemReader(folder)
+
+
+def read_sharded_entries(
+    folder: str | os.PathLike[str], keys: set[str] | None = None, weights_only: bool = True
+) -> dict[str, Any]:
+    """The entries ``keys`` (all by default) of a sharded (DCP) folder, read in this process alone.
+
+    Non-tensor entries load weights-only unless ``weights_only=False`` (:func:`weights_only_planner`), and shard
+    paths must stay inside the folder (:func:`contained_reader`).
+
+    Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If an entry holds more than a weights-only load accepts.
+        ValueError: If the folder's metadata names a file outside it.
+
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    planner = weights_only_planner(_EmptyStateDictLoadPlanner(keys=keys), folder, weights_only)
+    read = lambda f: _load_state_dict(state, storage_reader=contained_reader(f), planner=planner, no_dist=True)  # noqa: E731
+    read_checkpoint_file(folder, read)
+    return state
+
+
+def _refusal_inside(err: BaseException) -> UnsafeCheckpointError | CheckpointPathError | None:
+    """Our refusal among the per-process failures of a DCP ``CheckpointException``, if any."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(err, CheckpointException):
+        return None
+    for failure in err.failures.values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, (UnsafeCheckpointError, CheckpointPathError)):
+            return cause
+    return None
 
 
 def strip_prefix(state: Mapping[str, V], prefix: str) -> dict[str, V]:
@@ -138,34 +311,36 @@ def _owning_entry(name: str, device_map: Mapping[str, Any]) -> str | None:
     return name
 
 
-def _torch_load_on_cpu(file: str) -> dict[str, torch.Tensor]:
-    loaded: dict[str, torch.Tensor] = torch.load(file, map_location="cpu", weights_only=True)
-    return loaded
-
-
 def _safetensors_header(file: str) -> tuple[dict[str, str] | None, list[str]]:
     with safe_open(file, framework="pt") as f:
         return f.metadata(), list(f.keys())
 
 
 def load_state_dict(
-    checkpoint_file: str | os.PathLike[str], device_map: Mapping[str, DeviceLike] | None = None
+    checkpoint_file: str | os.PathLike[str],
+    device_map: Mapping[str, DeviceLike] | None = None,
+    *,
+    weights_only: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Read a checkpoint file; a safetensors one is read straight onto the devices ``device_map`` gives.
 
     Args:
-        checkpoint_file: A ``.safetensors`` file or a ``torch.save`` file (read with ``weights_only=True``).
+        checkpoint_file: A ``.safetensors`` file or a ``torch.save`` file (read weights-only).
         device_map: Module names to devices; ``"disk"`` tensors, and tensors without an entry, are read to the CPU.
+        weights_only: ``False`` unpickles a trusted ``torch.save`` file in full, with a warning naming it.
 
     Raises:
         OSError: For a safetensors file whose metadata names no known format.
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a ``torch.save`` file.
         ValueError: For a safetensors file saved by another framework, or a file that cannot be read (truncated,
             corrupt, not a checkpoint), naming the file.
 
     """
     checkpoint_file = os.fspath(checkpoint_file)
     if not checkpoint_file.endswith(".safetensors"):
-        return read_checkpoint_file(checkpoint_file, _torch_load_on_cpu)
+        return dict(
+            read_checkpoint_file(checkpoint_file, lambda f: load(f, map_location="cpu", weights_only=weights_only))
+        )
     metadata, names = read_checkpoint_file(checkpoint_file, _safetensors_header)
     _check_safetensors_format(checkpoint_file, metadata)
     if device_map is None:
@@ -244,8 +419,8 @@ def _checkpoint_files(checkpoint: str | os.PathLike[str]) -> list[str]:
     with open(index_file) as f:
         index = json.load(f)
     weight_map = index.get("weight_map", index)
-    folder = os.path.dirname(index_file)
-    return [os.path.join(folder, shard) for shard in sorted(set(weight_map.values()))]
+    folder = os.path.dirname(index_file) or "."
+    return [os.fspath(contained_path(folder, shard, index_file)) for shard in sorted(set(weight_map.values()))]
 
 
 def _load_without_device_map(
@@ -255,11 +430,12 @@ def _load_without_device_map(
     full_state_dict: bool,
     broadcast_from_rank0: bool,
     model_tensors: Mapping[str, torch.Tensor],
+    weights_only: bool,
 ) -> set[str]:
     """Load one file with torch's state-dict loading; returns the checkpoint's names."""
     physical = {t.device for t in model_tensors.values() if isinstance(t, torch.Tensor)} - {torch.device("meta")}
     if len(physical) > 1:
-        whole = load_state_dict(checkpoint_file)
+        whole = load_state_dict(checkpoint_file, weights_only=weights_only)
         _check_shapes(model_tensors, whole, checkpoint_file)
         model.load_state_dict(whole, strict=strict)
         return set(whole)
@@ -267,7 +443,7 @@ def _load_without_device_map(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     reads_file = not broadcast_from_rank0 or torch.distributed.get_rank() == 0
-    loaded: dict[str, Any] = dict(load_state_dict(checkpoint_file)) if reads_file else {}
+    loaded: dict[str, Any] = dict(load_state_dict(checkpoint_file, weights_only=weights_only)) if reads_file else {}
     _check_shapes(model_tensors, loaded, checkpoint_file)
     options = StateDictOptions(
         full_state_dict=full_state_dict, strict=strict, broadcast_from_rank0=broadcast_from_rank0
@@ -374,6 +550,8 @@ def load_checkpoint_in_model(
     strict: bool = False,
     full_state_dict: bool = True,
     broadcast_from_rank0: bool = False,
+    *,
+    weights_only: bool = True,
 ) -> None:
     """Load a (possibly sharded) checkpoint into ``model``, sending each tensor where ``device_map`` says.
 
@@ -396,10 +574,13 @@ def load_checkpoint_in_model(
         full_state_dict: Without a device map, the checkpoint is a full (not sharded-tensor) state dict.
         broadcast_from_rank0: Without a device map, rank 0 reads the checkpoint and broadcasts it (needs an
             initialised process group).
+        weights_only: ``False`` unpickles trusted ``torch.save`` files in full, with a warning naming each file.
 
     Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a ``torch.save`` file.
         ValueError: For a map with ``"disk"`` but no ``offload_folder``, a tensor without a device, unexpected keys
-            under ``strict``, or a checkpoint path that is none of the above.
+            under ``strict``, an index naming a shard outside its folder, or a checkpoint path that is none of the
+            above.
 
     """
     tied_params = find_tied_parameters(model)
@@ -425,12 +606,13 @@ def load_checkpoint_in_model(
     for checkpoint_file in files:
         if loader is None:
             unexpected |= _load_without_device_map(
-                model, checkpoint_file, strict, full_state_dict, broadcast_from_rank0, model_tensors
+                model, checkpoint_file, strict, full_state_dict, broadcast_from_rank0, model_tensors, weights_only
             )
             unexpected -= model_keys
             continue
         assert device_map is not None  # a loader exists only with a device map
-        unexpected |= _place_shard(loader, checkpoint_file, device_map, model_tensors, strict, checkpoint)
+        loaded = load_state_dict(checkpoint_file, device_map=device_map, weights_only=weights_only)
+        unexpected |= _place_shard(loader, checkpoint_file, loaded, model_tensors, strict, checkpoint)
 
     if unexpected:
         logger.warning(
@@ -464,13 +646,12 @@ def _prepare_device_map(
 def _place_shard(
     loader: _ShardLoader,
     checkpoint_file: str,
-    device_map: Mapping[str, DeviceLike],
+    loaded: dict[str, torch.Tensor],
     model_tensors: dict[str, Any],
     strict: bool,
     checkpoint: str | os.PathLike[str],
 ) -> set[str]:
-    """Read one shard onto the devices ``device_map`` gives and place it; returns the names the model lacks."""
-    loaded = load_state_dict(checkpoint_file, device_map=device_map)
+    """Place one shard, read onto the devices the device map gives; returns the names the model lacks."""
     _check_shapes(model_tensors, loaded, checkpoint_file)
     extra = {name for name in loaded if name not in model_tensors and "SCB" not in name}
     if strict and extra:
@@ -527,7 +708,9 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / METADATA_FILENAME).is_file()
 
 
-def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_KEY) -> dict[str, torch.Tensor]:
+def load_full_state_dict(
+    path: str | Path, prefix: str = "", key: str = _MODEL_KEY, *, weights_only: bool = True
+) -> dict[str, torch.Tensor]:
     """Read a model's full state dict from any lightning_accel checkpoint, in one process.
 
     The weights a checkpoint of one strategy holds load this way into a plain ``nn.Module`` or into a model that
@@ -540,22 +723,23 @@ def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_K
             ``self.net`` into a plain ``nn.Module``.
         key: Where the model sits in the checkpoint: ``"state_dict"`` for the Trainer, the name given to
             ``fabric.save(path, {"model": model, ...})`` for Fabric.
+        weights_only: ``False`` unpickles a trusted checkpoint in full, with a warning naming it; by default a file
+            holding more than tensors, numbers, strings and containers is refused naming it.
 
     Returns:
         A state dict of plain CPU tensors for ``nn.Module.load_state_dict``.
 
+    Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file of the checkpoint.
+
     """
     path = Path(path)
     if (path / "latest").is_file():  # a DeepSpeed checkpoint directory
-        return strip_prefix(consolidate_deepspeed_checkpoint(path), prefix)
+        return strip_prefix(consolidate_deepspeed_checkpoint(path, weights_only=weights_only), prefix)
     if is_sharded_checkpoint(path):
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-        with warnings.catch_warnings():  # torch warns that it reads in one process, which is the point here
-            warnings.simplefilter("ignore", UserWarning)
-            checkpoint = read_checkpoint_file(path, lambda p: _load_state_dict_from_keys(keys={key}, checkpoint_id=p))
+        checkpoint = read_sharded_entries(path, {key}, weights_only)
     elif path.is_file():
-        checkpoint = read_checkpoint_file(path, lambda p: torch.load(p, map_location="cpu", weights_only=False))
+        checkpoint = read_checkpoint_file(path, lambda p: load(p, map_location="cpu", weights_only=weights_only))
     else:
         raise FileNotFoundError(f"No checkpoint at {str(path)!r}: expected a checkpoint file or directory.")
     if key not in checkpoint:
@@ -566,7 +750,7 @@ def load_full_state_dict(path: str | Path, prefix: str = "", key: str = _MODEL_K
 
 
 def consolidate_deepspeed_checkpoint(
-    path: str | os.PathLike[str], tag: str | None = None, prefix: str = ""
+    path: str | os.PathLike[str], tag: str | None = None, prefix: str = "", *, weights_only: bool = True
 ) -> dict[str, torch.Tensor]:
     """Turn a DeepSpeed checkpoint directory into one full state dict for a plain ``nn.Module``.
 
@@ -579,6 +763,8 @@ def consolidate_deepspeed_checkpoint(
         tag: The DeepSpeed tag (sub-directory) to read; by default the one named in the ``latest`` file.
         prefix: Keep only the keys starting with this prefix and strip it, e.g. ``"net."`` to load a
             LightningModule's ``self.net`` into a plain module.
+        weights_only: ``False`` unpickles a trusted folder's files in full, with a warning naming each; by default
+            every file DeepSpeed would unpickle is first read weights-only, and one holding more is refused.
 
     Returns:
         Parameter and buffer names of the trained module (the LightningModule for the Trainer) mapped to tensors.
@@ -586,35 +772,83 @@ def consolidate_deepspeed_checkpoint(
     Raises:
         FileNotFoundError: If ``path`` is not a DeepSpeed checkpoint directory.
         KeyError: If no key starts with ``prefix``.
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file of the folder.
+        ValueError: If the ``latest`` file names a tag outside ``path``.
 
     """
-    return strip_prefix(_read_deepspeed_checkpoint(Path(path), tag), prefix)
+    return strip_prefix(_read_deepspeed_checkpoint(Path(path), tag, weights_only), prefix)
 
 
-def _read_deepspeed_checkpoint(root: Path, tag: str | None) -> dict[str, torch.Tensor]:
+def deepspeed_tag_folder(root: str | os.PathLike[str], tag: str | None = None) -> Path:
+    """The folder of DeepSpeed checkpoint ``root`` holding ``tag`` (by default the tag its ``latest`` file names).
+
+    Raises:
+        ValueError: If the tag names a folder outside ``root``, naming the tag, ``root`` and the ``latest`` file.
+
+    """
+    latest = Path(root) / "latest"
+    if tag is None:
+        tag = read_checkpoint_file(latest, lambda p: p.read_text().strip())
+    return contained_path(root, tag, latest)
+
+
+def deepspeed_globals() -> list[type]:
+    """The non-tensor types DeepSpeed writes in its checkpoint files, which a weights-only load of them allows.
+
+    ZeRO's optimizer-state files hold its stage enum, fragment addresses and the loss scaler (plain data classes,
+    rebuilt without running code); nothing else of DeepSpeed's is allowed.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+
+
+def check_deepspeed_files(folder: Path, weights_only: bool = True) -> None:
+    """Read every ``.pt`` file of a DeepSpeed tag folder weights-only (memory-mapped), before DeepSpeed unpickles it.
+
+    DeepSpeed's own readers (its checkpoint engine, ``zero_to_fp32``) unpickle in full; what a weights-only load
+    accepts is safe to hand them. With ``weights_only=False`` each file is only named in a warning.
+
+    Raises:
+        UnsafeCheckpointError: (a ``ValueError``) If a weights-only load refuses a file, naming it.
+
+    """
+    allowed = deepspeed_globals() if weights_only else []
+    for file in sorted(folder.glob("*.pt")):
+        if not weights_only:
+            warn_full_unpickling(file)
+            continue
+        read_checkpoint_file(file, lambda p: load(p, map_location="cpu", mmap=True, extra_globals=allowed))
+
+
+def _read_deepspeed_checkpoint(root: Path, tag: str | None, weights_only: bool) -> dict[str, torch.Tensor]:
     full = root / WEIGHTS_NAME
     if full.is_file() and tag is None:
-        return dict(read_checkpoint_file(full, lambda p: torch.load(p, map_location="cpu", weights_only=True)))
+        return dict(read_checkpoint_file(full, lambda p: load(p, map_location="cpu", weights_only=weights_only)))
     if not (root / "latest").is_file() and tag is None:
         raise FileNotFoundError(
             f"{root} is not a DeepSpeed checkpoint directory (it has neither {WEIGHTS_NAME} nor a 'latest' file)."
             " Pass the directory that trainer.save_checkpoint wrote."
         )
-    tag = tag if tag is not None else (root / "latest").read_text().strip()
-    shard_dir = root / tag
+    shard_dir = deepspeed_tag_folder(root, tag)
     if not any("zero_pp_rank" in f.name for f in shard_dir.glob("*optim_states.pt")):
-        return _stage0_state_dict(shard_dir)
+        return _stage0_state_dict(shard_dir, weights_only)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    check_deepspeed_files(shard_dir, weights_only)
+    tag = shard_dir.relative_to(root.resolve()).as_posix()
     return dict(
         read_checkpoint_file(shard_dir, lambda _: get_fp32_state_dict_from_zero_checkpoint(os.fspath(root), tag=tag))
     )
 
 
-def _stage0_state_dict(shard_dir: Path) -> dict[str, torch.Tensor]:
+def _stage0_state_dict(shard_dir: Path, weights_only: bool) -> dict[str, torch.Tensor]:
     """Without ZeRO, rank 0's model-states file holds the whole module."""
     files = sorted(shard_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise FileNotFoundError(f"No DeepSpeed model-states file in {shard_dir}.")
-    state = read_checkpoint_file(files[0], lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    read = lambda p: load(p, map_location="cpu", weights_only=weights_only, extra_globals=deepspeed_globals())  # noqa: E731
+    state = read_checkpoint_file(files[0], read)
     return dict(state["module"])
