@@ -1109,6 +1109,7 @@ class Accelerator:
         *,
         missing_ok: Literal[False] = False,
         resume_position: bool = False,
+        weights_only: bool | None = None,
         **load_model_func_kwargs: Any,
     ) -> str: ...
 
@@ -1120,6 +1121,7 @@ class Accelerator:
         *,
         missing_ok: bool,
         resume_position: bool = False,
+        weights_only: bool | None = None,
         **load_model_func_kwargs: Any,
     ) -> str | None: ...
 
@@ -1130,6 +1132,7 @@ class Accelerator:
         *,
         missing_ok: bool = False,
         resume_position: bool = False,
+        weights_only: bool | None = None,
         **load_model_func_kwargs: Any,
     ) -> str | None:
         """Load a checkpoint written by :meth:`save_state` (or by HF accelerate); returns its directory.
@@ -1146,12 +1149,24 @@ class Accelerator:
         loop that does not skip: one ``accelerator.load_state(missing_ok=True, resume_position=True)`` before such a
         loop starts a fresh run and resumes one that ``lightning-accel launch --max_restarts N`` restarted exactly.
         ``skip_first_batches`` after a ``resume_position=True`` load skips from the epoch's first batch too.
+
+        Every file is read weights-only (unlike Accelerate): a file holding other objects than tensors, numbers,
+        strings, containers and the few types ``save_state`` writes is refused, naming the file.
+        ``weights_only=False`` (not in Accelerate) unpickles a folder you trust in full, with a warning naming each
+        file; Accelerate's ``load_kwargs={"weights_only": False}`` does so for the optimizer, scheduler and loader
+        files only.
+
+        Raises:
+            ValueError: For a missing folder or file, a refused file (``UnsafeCheckpointError``), or
+                ``weights_only`` and ``load_kwargs["weights_only"]`` that disagree.
+
         """
         restored = self._checkpoints.load_state(
             input_dir,
             load_kwargs,
             missing_ok=missing_ok,
             resume_position=resume_position,
+            weights_only=weights_only,
             engine_kwargs=load_model_func_kwargs,
         )
         if restored is None:

@@ -367,6 +367,7 @@ class Checkpoints:
         *,
         missing_ok: bool,
         resume_position: bool,
+        weights_only: bool | None,
         engine_kwargs: dict[str, Any],
     ) -> Restored | None:
         """Load a checkpoint folder (see :meth:`lightning_accel.Accelerator.load_state`).
@@ -378,6 +379,8 @@ class Checkpoints:
         """
         if missing_ok and not self._has_checkpoint(input_dir):
             return None
+        extra = dict(load_kwargs or {})
+        safe = _weights_only(weights_only, extra)
         engine = self._engine(engine_kwargs)
         if engine is not None:
             require_every_process("load_state", self._why_collective(), self._timeout)
@@ -392,22 +395,23 @@ class Checkpoints:
         if scaler is not None and (source / "scaler.pt").is_file():
             state_files.load_scaler(scaler, source)  # before optimizers, which FSDP2 may step
         if engine is not None:
-            engine.load(self._prepared.models, self._prepared.optimizers, source, **engine_kwargs)
+            engine.load(self._prepared.models, self._prepared.optimizers, source, weights_only=safe, **engine_kwargs)
         for i, model in enumerate(m for m in models if id(m.module) in kept):
             state_files.load_model_weights(model, source, i)
-        extra = dict(load_kwargs or {})
         state_files.load_state_dicts(
             self._prepared.optimizers if engine is None else [], source, OPTIMIZER_NAME, **extra
         )
         state_files.load_state_dicts(self._prepared.schedulers, source, SCHEDULER_NAME, **extra)
-        state_files.load_custom_objects(self._prepared.custom_objects, source)
-        step = self._load_process_states(source, extra, resume_position)
+        state_files.load_custom_objects(self._prepared.custom_objects, source, weights_only=safe)
+        step = self._load_process_states(source, extra, resume_position, safe)
         config.iteration = state_files.next_iteration(config, source)
         return Restored(str(source), step)
 
-    def _load_process_states(self, source: Path, load_kwargs: dict[str, Any], positions: bool) -> int | None:
+    def _load_process_states(
+        self, source: Path, load_kwargs: dict[str, Any], positions: bool, weights_only: bool
+    ) -> int | None:
         """Restore this process's random states, its loaders' epochs (and positions) and stateful states, the step."""
-        state_files.load_samplers(self._prepared.dataloaders, source, accelerate_sampler)
+        state_files.load_samplers(self._prepared.dataloaders, source, accelerate_sampler, weights_only=weights_only)
         hint = " (was the run saved by fewer processes, or did only some of its processes call save_state?)"
         states = state_files.load_process_states(
             source, self._state.process_index, self._prepared.dataloaders, hint, positions=positions, **load_kwargs
@@ -421,6 +425,28 @@ class Checkpoints:
         if not config.automatic_checkpoint_naming or config.project_dir is None:
             return True  # nothing to look for: load_state raises naming what is missing
         return bool(numbered_checkpoints(Path(config.project_dir) / "checkpoints"))
+
+
+def _weights_only(weights_only: bool | None, load_kwargs: dict[str, Any]) -> bool:
+    """Whether ``load_state`` reads its files weights-only; an explicit choice also goes into ``load_kwargs``.
+
+    ``load_kwargs={"weights_only": False}`` (Accelerate's way) opts in for the files it reaches (optimizers,
+    schedulers, stateful loaders) only; ``weights_only=False`` for every file of the folder.
+
+    Raises:
+        ValueError: When the two say different things.
+
+    """
+    given = load_kwargs.get("weights_only")
+    if weights_only is None:
+        return True
+    if given is not None and bool(given) != weights_only:
+        raise ValueError(
+            f"load_state got weights_only={weights_only} and load_kwargs={{'weights_only': {given!r}}}: pass one"
+            " of them (weights_only=False trusts every file of the folder)."
+        )
+    load_kwargs["weights_only"] = weights_only
+    return weights_only
 
 
 def _refuse_sharded(models: list[AcceleratedModule]) -> None:

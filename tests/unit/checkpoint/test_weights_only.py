@@ -419,3 +419,26 @@ def test_fabric_load_under_an_acc_strategy_refuses_a_planted_checkpoint(tmp_path
     with pytest.warns(UserWarning, match=re.escape(str(file))):
         assert fabric.load(file, weights_only=False) == {"step": 3}
     assert marker.exists()
+
+
+def test_accelerator_load_state_refuses_a_planted_custom_object_and_trusts_with_weights_only_false(
+    tmp_path: Path,
+) -> None:
+    from lightning_accel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    counter = _Counter()
+    accelerator.register_for_checkpointing(counter)
+    folder = Path(accelerator.save_state(tmp_path / "ckpt"))
+    file = folder / "custom_checkpoint_0.pkl"
+    marker = _plant(file, {"count": 5})
+    with pytest.raises(UnsafeCheckpointError, match=_refusal(file)):
+        accelerator.load_state(folder)
+    with pytest.raises(UnsafeCheckpointError, match=_refusal(file)):
+        accelerator.load_state(folder, load_kwargs={"weights_only": False})  # Accelerate's opt-in: not its files
+    assert not marker.exists() and counter.count == 0
+    with pytest.raises(ValueError, match=r"weights_only=True and load_kwargs=\{'weights_only': False\}"):
+        accelerator.load_state(folder, load_kwargs={"weights_only": False}, weights_only=True)
+    with pytest.warns(UserWarning, match=re.escape(str(file))):
+        accelerator.load_state(folder, weights_only=False)
+    assert marker.exists() and counter.count == 5
