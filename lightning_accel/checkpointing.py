@@ -4,7 +4,7 @@ A checkpoint folder holds ``model.safetensors`` (``model_1.safetensors``, ... or
 serialization), ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt`` (fp16 with a gradient scaler),
 ``random_states_{rank}.pkl`` (one per process), ``custom_checkpoint_{i}.pkl`` (registered objects) and, with
 ``use_stateful_dataloader``, ``dl_state_dict.bin`` (``dl_state_dict_{i}.bin``; see
-:mod:`lightning_accel.checkpoint.loaders`). Model weights are the user's module's state dict (no DDP ``module.``
+:mod:`lightning_accel.checkpoint.loader_states`). Model weights are the user's module's state dict (no DDP ``module.``
 prefix), as Accelerate writes them.
 
 Differences from Accelerate (its bugs, fixed):

@@ -33,7 +33,7 @@ from lightning_accel.checkpoint.folders import (
     rotate,
     stage,
 )
-from lightning_accel.checkpoint.loaders import loader_positions, save_loader_states
+from lightning_accel.checkpoint.loader_states import loader_positions, save_loader_states
 from lightning_accel.checkpoint.node_copies import complete_on_each_node
 from lightning_accel.checkpointing import accelerate_sampler, save_custom_state, shard_state_dict
 from lightning_accel.checkpointing import save_model as write_model_files

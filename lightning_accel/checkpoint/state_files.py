@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_accel.checkpoint.folders import numbered_checkpoints
-from lightning_accel.checkpoint.loaders import ResumableLoader, restore_loaders, state_file_name
+from lightning_accel.checkpoint.loader_states import ResumableLoader, restore_loaders, state_file_name
 from lightning_accel.checkpoint.weight_shards import match_wrapper_prefix, without_shared_storage
 from lightning_accel.config import ProjectConfiguration
 from lightning_accel.state import PartialState
@@ -218,7 +218,7 @@ def write_process_states(
 ) -> None:
     """Write this process's ``random_states_{process_index}.pkl``: ``step``, its generators, and ``loader_record``.
 
-    ``loader_record`` (:func:`~lightning_accel.checkpoint.loaders.loader_positions`) adds keys Accelerate ignores.
+    ``loader_record`` (:func:`~lightning_accel.checkpoint.loader_states.loader_positions`) adds keys Accelerate ignores.
     """
     torch.save({**get_rng_states(step), **(loader_record or {})}, _process_file(folder, process_index))
 
@@ -450,9 +450,10 @@ def load_process_states(
         source: The checkpoint folder.
         process_index: Which process's file to read.
         loaders: The prepared loaders to resume (epoch, position and ``dl_state_dict`` files, see
-            :func:`~lightning_accel.checkpoint.loaders.restore_loaders`); ``None`` leaves loaders alone.
+            :func:`~lightning_accel.checkpoint.loader_states.restore_loaders`); ``None`` leaves loaders alone.
         missing_hint: Added to the warning for a missing file.
-        positions: Resume the loaders mid-epoch too (see :func:`~lightning_accel.checkpoint.loaders.restore_loaders`).
+        positions: Resume the loaders mid-epoch too (see
+            :func:`~lightning_accel.checkpoint.loader_states.restore_loaders`).
         **load_kwargs: For the ``torch.load`` of the loader state files.
 
     Returns:

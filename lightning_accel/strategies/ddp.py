@@ -17,7 +17,7 @@ from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import lightning_private_members
 from lightning_accel.strategies.ddp_core import DDPFamilyAdapter, DDPOptions
 from lightning_accel.strategies.lightning_arguments import FabricPlugins, ParallelArguments, TrainerPlugins
-from lightning_accel.strategies.precision_bridge import translating
+from lightning_accel.strategies.precision_adoption import translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 

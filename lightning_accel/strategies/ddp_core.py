@@ -28,7 +28,7 @@ from lightning_accel.lightning_compat import set_process_group_backend
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.lightning_arguments import StartMethod, check_keywords
-from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision
+from lightning_accel.strategies.precision_adoption import bind_precision, strategy_precision
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")

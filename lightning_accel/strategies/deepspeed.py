@@ -68,7 +68,7 @@ from lightning_accel.strategies.lightning_arguments import (
     TrainerPlugins,
     check_keywords,
 )
-from lightning_accel.strategies.precision_bridge import bind_precision, deepspeed_translating, strategy_precision
+from lightning_accel.strategies.precision_adoption import bind_precision, deepspeed_translating, strategy_precision
 from lightning_accel.strategies.protocol import (
     ContextBackwardSync,
     ProcessGroupShards,

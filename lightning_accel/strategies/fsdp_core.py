@@ -27,7 +27,7 @@ from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.ddp_core import ProcessGroupOptions
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
 from lightning_accel.strategies.lightning_arguments import StartMethod
-from lightning_accel.strategies.precision_bridge import strategy_precision
+from lightning_accel.strategies.precision_adoption import strategy_precision
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
 from lightning_accel.utils.modeling.checkpoint import (
     METADATA_FILENAME,

@@ -30,7 +30,7 @@ from lightning_accel.lightning_compat import (
     set_device_mesh,
 )
 from lightning_accel.strategies.parallel_core import ParallelFamilyAdapter, ParallelOptions
-from lightning_accel.strategies.precision_bridge import translating
+from lightning_accel.strategies.precision_adoption import translating
 from lightning_accel.strategies.protocol import ProcessGroupShards, ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.strategies.sharded_adapter import ShardedFabricAdapter, ShardedTrainerAdapter, reshard

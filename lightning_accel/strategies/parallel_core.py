@@ -27,7 +27,7 @@ from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.fsdp_core import FSDPFamily
 from lightning_accel.strategies.lightning_arguments import check_keywords
-from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision
+from lightning_accel.strategies.precision_adoption import bind_precision, strategy_precision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

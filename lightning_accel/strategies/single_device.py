@@ -19,7 +19,7 @@ from lightning_accel.lightning_compat import lightning_private_members, set_root
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.lightning_arguments import FabricPlugins, TrainerPlugins, check_keywords
-from lightning_accel.strategies.precision_bridge import bind_precision, strategy_precision, translating
+from lightning_accel.strategies.precision_adoption import bind_precision, strategy_precision, translating
 from lightning_accel.strategies.protocol import ShimStrategyDefaults
 from lightning_accel.strategies.registry import StrategyEntry
 from lightning_accel.utils.memory import DeviceLike

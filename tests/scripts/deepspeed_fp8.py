@@ -60,7 +60,7 @@ def engine_check(out: Path, variant: str, stage: int) -> None:
     from lightning_accel.precision import BF16Precision
     from lightning_accel.strategies.deepspeed_core import DeepSpeedFamily, TrainingFacts
     from lightning_accel.strategies.deepspeed_fp8 import facts_precision
-    from lightning_accel.strategies.precision_bridge import _as_deepspeed
+    from lightning_accel.strategies.precision_adoption import _as_deepspeed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     precision = _as_deepspeed(FP8Precision() if variant == "fp8" else BF16Precision(), DeepSpeedPrecision)

@@ -45,7 +45,7 @@ def test_fp8_plugin_becomes_deepspeed_bf16_with_the_float8_conversion() -> None:
     from lightning.pytorch.plugins import DeepSpeedPrecision
     from torchao.float8.float8_linear import Float8Linear
 
-    from lightning_accel.strategies.precision_bridge import _as_deepspeed
+    from lightning_accel.strategies.precision_adoption import _as_deepspeed
 
     fp8 = FP8Precision()
     trainer_side = _as_deepspeed(fp8, DeepSpeedPrecision)
