@@ -8,8 +8,10 @@ CUDA (megatron's own attention, rotary embeddings and activation recomputation n
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,7 @@ from torch.nn import functional as F
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.megatron import AcceleratedMegatronLMStrategy, FabricAcceleratedMegatronLMStrategy
-from lightning_accel.strategies.megatron_core import MegatronFamily, check_plugin
+from lightning_accel.strategies.megatron_core import REFUSED_FIELDS, RUN_FIELDS, MegatronFamily, check_plugin
 from lightning_accel.utils import MegatronLMPlugin
 from tests.helpers import SCRIPTS, free_port, load_rank_results, run_python, torchrun
 from tests.scripts.megatron_parity import CLIP
@@ -79,22 +81,91 @@ def test_without_megatron_the_error_names_the_extra(monkeypatch: pytest.MonkeyPa
 # --- refusals (the plugin check needs no megatron-core) ---
 
 
+_CHOICES = {"recompute_granularity": "selective", "recompute_method": "block", "weight_decay_incr_style": "linear"}
+_CHOICES["lr_decay_style"] = "cosine"
+_BY_TYPE: dict[str, Any] = {
+    "int | None": 2,
+    "float | None": 0.5,
+    "str | None": "logs",
+    "list[int] | None": [1, 0, 0],
+    "dict[str, Any] | None": {"num_layers": 2},
+    "Callable[..., Any] | None": print,
+    "Any | None": object,
+}
+
+
+def non_default(field: dataclasses.Field[Any], usual: Any) -> Any:
+    """A valid MegatronLMPlugin value for ``field`` other than ``usual``."""
+    if field.name in _CHOICES:
+        return _CHOICES[field.name]
+    if isinstance(usual, bool):
+        return not usual
+    if isinstance(usual, int | float) and field.type in ("int", "float"):
+        return usual + 1 if field.type == "int" else usual / 2 + 0.25
+    return _BY_TYPE[str(field.type)]
+
+
+def test_every_plugin_field_is_classified_once() -> None:
+    names = {field.name for field in dataclasses.fields(MegatronLMPlugin)}
+    assert not RUN_FIELDS.keys() & REFUSED_FIELDS.keys()
+    assert names - RUN_FIELDS.keys() - REFUSED_FIELDS.keys() == set(), "classify them in megatron_core"
+    assert RUN_FIELDS.keys() | REFUSED_FIELDS.keys() == names
+
+
+@pytest.mark.parametrize("field", dataclasses.fields(MegatronLMPlugin), ids=lambda field: field.name)
+def test_a_non_default_value_of_each_field_runs_or_is_refused_with_the_fix(field: dataclasses.Field[Any]) -> None:
+    if field.name in RUN_FIELDS:
+        value = non_default(field, field.default)
+        assert getattr(check_plugin(plugin(**{field.name: value})), field.name) == value
+        return
+    runs = REFUSED_FIELDS[field.name].runs
+    value = non_default(field, runs)
+    expected = (
+        rf"MegatronLMPlugin\({field.name}={re.escape(repr(value))}\): .+\. Pass {field.name}={re.escape(repr(runs))}\.$"
+    )
+    with pytest.raises(ValueError, match=expected):
+        check_plugin(plugin(**{field.name: value}))
+    check_plugin(plugin(**{field.name: runs}))  # the value it runs
+
+
+# (field, value, companion settings, TransformerConfig attribute, expected) for the fields transformer_config carries
+_CONFIG_EFFECTS: list[tuple[str, Any, dict[str, Any], str, Any]] = [
+    ("tp_degree", 2, {}, "tensor_model_parallel_size", 2),
+    ("pp_degree", 2, {}, "pipeline_model_parallel_size", 2),
+    ("attention_dropout", 0.25, {}, "attention_dropout", 0.25),
+    ("hidden_dropout", 0.25, {}, "hidden_dropout", 0.25),
+    ("attention_softmax_in_fp32", False, {}, "attention_softmax_in_fp32", False),
+    ("calculate_per_token_loss", False, {}, "calculate_per_token_loss", False),
+    ("recompute_activations", True, {}, "recompute_granularity", "full"),
+    ("recompute_granularity", "selective", {"recompute_activations": True}, "recompute_granularity", "selective"),
+    ("recompute_method", "block", {"recompute_activations": True}, "recompute_method", "block"),
+    ("recompute_num_layers", 2, {"recompute_activations": True}, "recompute_num_layers", 2),
+]
+
+
+@needs_megatron
 @pytest.mark.parametrize(
-    ("field", "value", "fix"),
-    [
-        ("context_parallel_size", 2, "context_parallel_size=1"),
-        ("expert_model_parallel_size", 2, "use 1"),
-        ("expert_tensor_parallel_size", 2, "use 1"),
-        ("sequence_parallelism", True, "sequence_parallelism=False"),
-        ("use_distributed_optimizer", True, "use_distributed_optimizer=False"),
-        ("use_custom_fsdp", True, "use_custom_fsdp=False"),
-        ("optimizer_cpu_offload", True, "pass False"),
-        ("num_layers_per_virtual_pipeline_stage", 2, "pass None"),
-    ],
+    ("field", "value", "companions", "attribute", "expected"),
+    _CONFIG_EFFECTS,
+    ids=lambda x: x if isinstance(x, str) else "",
 )
-def test_unimplemented_settings_are_refused_with_the_fix(field: str, value: Any, fix: str) -> None:
-    with pytest.raises(ValueError, match=rf"MegatronLMPlugin\({field}={value!r}\).*{fix}"):
-        check_plugin(plugin(**{field: value}))
+def test_run_fields_reach_megatrons_transformer_config(
+    field: str, value: Any, companions: dict[str, Any], attribute: str, expected: Any
+) -> None:
+    from lightning_accel.strategies.megatron_gpt import transformer_config
+
+    assert field in RUN_FIELDS
+    sizes = {"num_layers": 4, "hidden_size": 16, "num_attention_heads": 4}
+    config = transformer_config(check_plugin(plugin(**{field: value}, **companions)), **sizes)
+    assert getattr(config, attribute) == expected
+    assert getattr(transformer_config(plugin(), **sizes), attribute) != expected
+
+
+@needs_megatron
+def test_gradient_clipping_zero_disables_clipping() -> None:
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    assert MegatronFamily(plugin(gradient_clipping=0), None).clip_gradients(model) is None
 
 
 def test_accelerates_default_plugin_is_refused_for_its_context_parallel_size() -> None:
