@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable
+from contextlib import ExitStack
 from typing import Any, NamedTuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,8 @@ RUN_FIELDS: dict[str, str] = {
     "pp_degree": "megatron's pipeline-parallel group size; pipeline_step runs megatron's 1F1B schedule",
     "num_micro_batches": "the micro-batches pipeline_step cuts each batch into",
     "gradient_clipping": "the global-norm clipping before each optimizer step (0 disables it)",
+    "sequence_parallelism": "TransformerConfig.sequence_parallel, with the layer-norm gradients summed across "
+    "tensor-parallel ranks before each optimizer step (megatron's _allreduce_non_tensor_model_parallel_grads)",
     "recompute_activations": "TransformerConfig.recompute_granularity (refused on CPU: megatron saves the CUDA RNG)",
     "recompute_granularity": "TransformerConfig.recompute_granularity when recompute_activations=True",
     "recompute_method": "TransformerConfig.recompute_method when recompute_activations=True (full granularity)",
@@ -86,11 +90,6 @@ REFUSED_FIELDS: dict[str, Refused] = {
     ),
     "expert_model_parallel_size": Refused(1, "expert parallelism (MoE) is not implemented"),
     "expert_tensor_parallel_size": Refused(1, "expert tensor parallelism (MoE) is not implemented"),
-    "sequence_parallelism": Refused(
-        False,
-        "sequence parallelism needs the layer-norm gradients all-reduced across tensor-parallel ranks, which this "
-        "strategy does not do yet",
-    ),
     "use_distributed_optimizer": Refused(False, _NO_DISTRIBUTED_OPTIMIZER),
     "use_custom_fsdp": Refused(False, "megatron's custom FSDP is not implemented"),
     "optimizer_cpu_offload": Refused(False, "megatron's optimizer CPU offload is not implemented"),
@@ -198,6 +197,7 @@ class MegatronFamily:
         self.plugin = check_plugin(plugin)
         self.ddp_kwargs = ddp_kwargs if ddp_kwargs is not None else DistributedDataParallelKwargs()
         self._initialized_here = False
+        self._cpu_redirection = ExitStack()
 
     def check_devices(self, devices: list[torch.device] | None) -> None:
         """Refuse settings the chosen devices cannot run.
@@ -252,9 +252,26 @@ class MegatronFamily:
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
+        elif self.plugin.sequence_parallelism:
+            self._redirect_sequence_parallel_to_cpu()
+
+    def _redirect_sequence_parallel_to_cpu(self) -> None:
+        """Let megatron's sequence-parallel layers run on CPU, until :meth:`teardown`.
+
+        Their all-gather and reduce-scatter buffers are allocated on ``torch.cuda.current_device()`` (in
+        ``tensor_parallel.mappings``, ``tensor_parallel.layers`` and ``GlobalMemoryBuffer``), which is pointed at the
+        CPU; and the embedding's dropout forks the CUDA RNG tracker, which becomes megatron's own no-op tracker
+        (``initialize_rng_tracker(inference_rng_tracker=True)``), so dropout draws from torch's CPU generator.
+        """
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+        self._cpu_redirection.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        self._cpu_redirection.callback(initialize_rng_tracker, force_reset=True)
 
     def teardown(self) -> None:
         """Destroy megatron-core's parallel state if this strategy built it."""
+        self._cpu_redirection.close()
         if self._initialized_here:
             from megatron.core import parallel_state
 
@@ -306,6 +323,26 @@ class MegatronFamily:
             module, batch, forward, loss, num_micro_batches=self.plugin.num_micro_batches, device=device
         )
 
+    def reduce_sequence_parallel_gradients(self, modules: Iterable[Module]) -> None:
+        """Sum the gradients of sequence-parallel parameters (layer norms) across tensor-parallel ranks.
+
+        With ``sequence_parallelism`` each tensor-parallel rank holds part of the sequence, so the gradients of the
+        parameters megatron marks ``sequence_parallel`` are partial; megatron's own
+        ``_allreduce_non_tensor_model_parallel_grads`` (what its ``finalize_model_grads`` calls) sums them. Call it
+        once per optimizer step, after the last backward. Nothing happens without sequence parallelism.
+        """
+        if not self.plugin.sequence_parallelism:
+            return
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+        modules = list(modules)
+        if modules:
+            chunks = [_ModelChunk(module, DistributedDataParallelConfig()) for module in modules]
+            group = parallel_state.get_tensor_model_parallel_group()
+            _allreduce_non_tensor_model_parallel_grads(chunks, _model_config(modules), group)
+
     def clip_gradients(self, module: Module) -> torch.Tensor | None:
         """Clip by ``plugin.gradient_clipping`` (0 disables) using the norm of the whole, unsharded gradient.
 
@@ -316,6 +353,35 @@ class MegatronFamily:
         if not self.plugin.gradient_clipping:
             return None
         return clip_grad_norm_across_tensor_parallel(module.parameters(), self.plugin.gradient_clipping)
+
+
+class _ModelChunk(NamedTuple):
+    """What megatron's gradient finalization reads of a model chunk: the module and a ``ddp_config``.
+
+    megatron's helpers find the parameters through ``.module`` (torch's DDP or the bare model) and read
+    ``ddp_config.use_megatron_fsdp``; this strategy uses torch's DDP, so the config is megatron's default.
+    """
+
+    module: Module
+    ddp_config: Any
+
+
+def _model_config(modules: Iterable[Module]) -> Any:
+    """The ``TransformerConfig`` of the first megatron module found in ``modules``.
+
+    Raises:
+        ValueError: If none carries one (sequence parallelism needs megatron-core layers).
+
+    """
+    for module in modules:
+        for sub in module.modules():
+            config = getattr(sub, "config", None)
+            if config is not None and hasattr(config, "sequence_parallel"):
+                return config
+    raise ValueError(
+        "MegatronLMPlugin(sequence_parallelism=True) needs a model of megatron-core layers built with "
+        "sequence_parallel=True (gpt_model or transformer_config from the plugin)"
+    )
 
 
 def clip_grad_norm_across_tensor_parallel(

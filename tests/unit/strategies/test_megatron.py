@@ -9,7 +9,6 @@ CUDA (megatron's own attention, rotary embeddings and activation recomputation n
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 import sys
@@ -30,13 +29,12 @@ from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.megatron import AcceleratedMegatronLMStrategy, FabricAcceleratedMegatronLMStrategy
 from lightning_accel.strategies.megatron_core import REFUSED_FIELDS, RUN_FIELDS, MegatronFamily, check_plugin
 from lightning_accel.utils import MegatronLMPlugin
-from tests.helpers import SCRIPTS, free_port, load_rank_results, run_python, torchrun
+from tests.helpers import SCRIPTS, free_port, has_module, load_rank_results, run_python, torchrun_each
 from tests.scripts.megatron_parity import CLIP
 
-HAS_MEGATRON = (
-    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+needs_megatron = pytest.mark.skipif(
+    not has_module("megatron.core"), reason="megatron-core is not installed (the megatron extra)"
 )
-needs_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed (the megatron extra)")
 ATOL = 1e-5
 Results = dict[str, list[dict[str, Any]]]
 
@@ -324,10 +322,7 @@ def test_cpu_core_attention_matches_torch_sdpa(masked: bool) -> None:
 
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("megatron")
-    torchrun("megatron_parity.py", "--out", str(out), nproc=1, timeout=300)
-    torchrun("megatron_parity.py", "--out", str(out), nproc=2, timeout=420)
-    return out
+    return torchrun_each(tmp_path_factory.mktemp("megatron"), "megatron_parity.py", {1: 300, 2: 420})
 
 
 @pytest.fixture(scope="module")
@@ -435,8 +430,7 @@ def test_accelerator_prepared_loader_gives_tensor_parallel_peers_the_same_batche
 @needs_megatron
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_one_gpu_megatron_attention_rope_and_recompute(tmp_path: Path) -> None:
-    torchrun("megatron_gpu.py", "--out", str(tmp_path), nproc=1, timeout=600)
-    results = load_rank_results(tmp_path)
+    results = load_rank_results(torchrun_each(tmp_path, "megatron_gpu.py", {1: 600}))
     native = results["native"][0]
     assert native["core_attention"] == "DotProductAttention"
     assert_matches(results["cpu_attention"][0], native)  # the CPU attention equals megatron's on the same device
