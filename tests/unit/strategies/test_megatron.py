@@ -296,6 +296,72 @@ def test_tp_degree_must_divide_the_world_size(one_process_group: None) -> None:
         family.setup_parallel_state(torch.device("cpu"))
 
 
+# --- what megatron-core 0.16.1 cannot run on CPU: the limits behind two refusals ---
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the limits are those of a machine without CUDA")
+
+
+@pytest.fixture
+def megatron_parallel_state(one_process_group: None) -> Iterator[None]:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def _megatron_module() -> Any:
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, use_cpu_initialization=True)
+    module = MegatronModule(config)
+    module.linear = torch.nn.Linear(4, 4)
+    return module
+
+
+def _distributed_ddp(module: Any) -> Any:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(module.config, DistributedDataParallelConfig(use_distributed_optimizer=True), module)
+
+
+@needs_megatron
+@no_cuda
+def test_megatrons_ddp_allocates_its_gradient_buffers_on_cuda(megatron_parallel_state: None) -> None:
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        _distributed_ddp(_megatron_module())
+
+
+@needs_megatron
+@no_cuda
+def test_megatrons_distributed_optimizer_needs_cuda_parameters(megatron_parallel_state: None) -> None:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from lightning_accel.strategies.megatron_pipeline import cpu_schedule_allocations
+
+    with cpu_schedule_allocations(torch.device("cpu")):  # past the buffers' CUDA allocation, as the schedules run
+        model = _distributed_ddp(_megatron_module())
+        config = OptimizerConfig(optimizer="adam", lr=0.1, use_distributed_optimizer=True)
+        with pytest.raises(TypeError, match=r"must be one of torch.cuda.FloatTensor.*Received torch.FloatTensor"):
+            get_megatron_optimizer(config, [model])
+    assert "torch.cuda.FloatTensor" in REFUSED_FIELDS["use_distributed_optimizer"].reason
+
+
+@needs_megatron
+def test_megatrons_attention_has_no_context_parallelism_without_transformer_engine() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if has_module("transformer_engine"):
+        pytest.skip("TransformerEngine's attention is installed (it runs context parallelism on CUDA)")
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, context_parallel_size=2)
+    with pytest.raises(AssertionError, match="Context parallelism is only supported by TEDotProductAttention!"):
+        DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    assert "TEDotProductAttention" in REFUSED_FIELDS["context_parallel_size"].reason
+
+
 # --- the CPU core attention against torch's own attention ---
 
 
