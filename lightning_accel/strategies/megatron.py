@@ -7,9 +7,10 @@ megatron-core layers (or :func:`~lightning_accel.strategies.megatron_gpt.gpt_mod
 the Trainer, or after ``fabric.launch()``. Data parallelism is ``DistributedDataParallel`` over megatron's
 data-parallel group, and gradients are clipped by ``MegatronLMPlugin.gradient_clipping`` using the norm of the whole
 (unsharded) gradient. Checkpoints hold whole tensors, whatever ``tp_degree`` wrote them
-(:mod:`~lightning_accel.checkpoint.megatron`). Pipeline, context, expert and sequence parallelism and
-megatron's distributed optimizer are refused with the setting that asks for them (see
-:func:`~lightning_accel.strategies.megatron_core.check_plugin`).
+(:mod:`~lightning_accel.checkpoint.megatron`). Pipeline parallelism runs megatron's schedules through
+``pipeline_step`` (one file per stage); sequence parallelism sums the layer-norm gradients across tensor-parallel
+ranks before each step. Context and expert parallelism and megatron's distributed optimizer are refused with the
+setting that asks for them (``RUN_FIELDS`` / ``REFUSED_FIELDS`` in :mod:`~lightning_accel.strategies.megatron_core`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The behaviour of ``acc_megatron_lm``, written once for the Trainer and Fabric strategies.
 
-:class:`MegatronFamily` checks a :class:`MegatronLMPlugin` against what this strategy implements, builds
-megatron-core's parallel state (tensor-parallel and data-parallel groups) over the process group Lightning created,
-wraps the model in ``DistributedDataParallel`` over the data-parallel group only, shards data by data-parallel rank
-(tensor-parallel ranks read the same batch), and clips gradients by their global norm across the tensor-parallel
-shards. megatron-core is imported when a strategy is built; importing this module does not import it.
+:class:`MegatronFamily` checks a :class:`MegatronLMPlugin` against what this strategy implements (every field is
+in :data:`RUN_FIELDS` or :data:`REFUSED_FIELDS`), builds megatron-core's parallel state (tensor-, pipeline- and
+data-parallel groups) over the process group Lightning created, wraps the model in ``DistributedDataParallel`` over
+the data-parallel group only, shards data by data-parallel rank (tensor-parallel ranks read the same batch), sums
+sequence-parallel gradients across tensor-parallel ranks, and clips gradients by their global norm across the
+tensor-parallel shards. megatron-core is imported when a strategy is built; importing this module does not import it.
 """
 
 from __future__ import annotations

@@ -134,6 +134,7 @@ _CONFIG_EFFECTS: list[tuple[str, Any, dict[str, Any], str, Any]] = [
     ("hidden_dropout", 0.25, {}, "hidden_dropout", 0.25),
     ("attention_softmax_in_fp32", False, {}, "attention_softmax_in_fp32", False),
     ("calculate_per_token_loss", False, {}, "calculate_per_token_loss", False),
+    ("sequence_parallelism", True, {"tp_degree": 2}, "sequence_parallel", True),
     ("recompute_activations", True, {}, "recompute_granularity", "full"),
     ("recompute_granularity", "selective", {"recompute_activations": True}, "recompute_granularity", "selective"),
     ("recompute_method", "block", {"recompute_activations": True}, "recompute_method", "block"),
