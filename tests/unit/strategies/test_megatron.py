@@ -29,7 +29,15 @@ from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.megatron import AcceleratedMegatronLMStrategy, FabricAcceleratedMegatronLMStrategy
 from lightning_accel.strategies.megatron_core import REFUSED_FIELDS, RUN_FIELDS, MegatronFamily, check_plugin
 from lightning_accel.utils import MegatronLMPlugin
-from tests.helpers import SCRIPTS, free_port, has_module, load_rank_results, run_python, torchrun_each
+from tests.helpers import (
+    ACCELERATE_CONFIGS,
+    SCRIPTS,
+    free_port,
+    has_module,
+    load_rank_results,
+    run_python,
+    torchrun_each,
+)
 from tests.scripts.megatron_parity import CLIP
 
 needs_megatron = pytest.mark.skipif(
@@ -173,6 +181,20 @@ def test_accelerates_default_plugin_is_refused_for_its_context_parallel_size() -
     assert check_plugin(None).context_parallel_size == 1 and check_plugin(None).tp_degree == 1
     with pytest.raises(TypeError, match="must be a MegatronLMPlugin"):
         check_plugin({"tp_degree": 2})  # type: ignore[arg-type]
+
+
+def test_the_fixture_config_runs_but_for_context_parallelism_and_the_distributed_optimizer() -> None:
+    from lightning_accel.config import load_config
+    from lightning_accel.utils.environment import accelerator_kwargs
+
+    given = accelerator_kwargs(config=load_config(ACCELERATE_CONFIGS / "megatron.yaml"))["megatron_lm_plugin"]
+    assert (given.pp_degree, given.num_micro_batches, given.sequence_parallelism) == (2, 2, True)
+    with pytest.raises(ValueError, match=r"\(context_parallel_size=2\)"):
+        check_plugin(given)
+    with pytest.raises(ValueError, match=r"\(use_distributed_optimizer=True\): megatron-core 0.16.1's"):
+        check_plugin(dataclasses.replace(given, context_parallel_size=1))
+    runs = check_plugin(dataclasses.replace(given, context_parallel_size=1, use_distributed_optimizer=False))
+    assert runs.sequence_parallelism and runs.pp_degree == 2  # pipeline and sequence parallelism run
 
 
 @needs_megatron
