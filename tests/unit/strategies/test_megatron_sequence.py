@@ -1,8 +1,9 @@
 """``acc_megatron_lm`` sequence parallelism on CPU processes (gloo), against tensor parallelism alone.
 
 One 2-process run of ``tests/scripts/megatron_sequence.py``: ``tp_degree=2`` with ``sequence_parallelism=True``
-(Fabric and Trainer) trains to the losses and weights of ``tp_degree=2`` without it, clipping by the global norm each
-step; the control run without the layer-norm gradient sum across tensor-parallel ranks does not.
+(Fabric, Trainer and the ``Accelerator`` shim) trains to the losses and weights of ``tp_degree=2`` without it,
+clipping by the global norm each step; the control run without the layer-norm gradient sum across tensor-parallel
+ranks does not.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _max_weight_difference(result: dict[str, Any], reference: dict[str, Any]) ->
 
 @pytest.mark.launch
 @needs_megatron
-@pytest.mark.parametrize("variant", ["fabric_tp2_sp", "trainer_tp2_sp"])
+@pytest.mark.parametrize("variant", ["fabric_tp2_sp", "trainer_tp2_sp", "accelerator_tp2_sp"])
 def test_sequence_parallelism_trains_as_tensor_parallelism_alone(runs: Results, variant: str) -> None:
     for result, reference in zip(runs[variant], runs["fabric_tp2"], strict=True):
         assert result["tp"] == reference["tp"]
