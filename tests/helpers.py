@@ -97,6 +97,31 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300) -> s
     )
 
 
+def torchrun_each(out: Path, script: str, timeouts: dict[int, float]) -> Path:
+    """Run ``tests/scripts/<script> --out <out>`` under ``torch.distributed.run`` once per process count.
+
+    Args:
+        out: The folder the script writes its ``{variant}_rank{r}.pt`` results to.
+        script: The script's file name in ``tests/scripts``.
+        timeouts: Process count -> the seconds that run may take, in the order to run them.
+
+    Returns:
+        ``out``, for :func:`load_rank_results`.
+
+    """
+    for nproc, timeout in timeouts.items():
+        torchrun(script, "--out", str(out), nproc=nproc, timeout=timeout)
+    return out
+
+
+def has_module(name: str) -> bool:
+    """Whether ``name`` (a dotted module path) can be imported, without importing it."""
+    import importlib.util
+
+    parent = name.rpartition(".")[0]
+    return (not parent or has_module(parent)) and importlib.util.find_spec(name) is not None
+
+
 def load_rank_results(out: Path) -> dict[str, list[dict[str, Any]]]:
     """Read the ``{variant}_rank{r}.pt`` files a multi-process test script saved: variant -> one result per rank."""
     import torch

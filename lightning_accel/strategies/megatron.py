@@ -7,9 +7,10 @@ megatron-core layers (or :func:`~lightning_accel.strategies.megatron_gpt.gpt_mod
 the Trainer, or after ``fabric.launch()``. Data parallelism is ``DistributedDataParallel`` over megatron's
 data-parallel group, and gradients are clipped by ``MegatronLMPlugin.gradient_clipping`` using the norm of the whole
 (unsharded) gradient. Checkpoints hold whole tensors, whatever ``tp_degree`` wrote them
-(:mod:`~lightning_accel.checkpoint.megatron`). Pipeline, context, expert and sequence parallelism and
-megatron's distributed optimizer are refused with the setting that asks for them (see
-:func:`~lightning_accel.strategies.megatron_core.check_plugin`).
+(:mod:`~lightning_accel.checkpoint.megatron`). Pipeline parallelism runs megatron's schedules through
+``pipeline_step`` (one file per stage); sequence parallelism sums the layer-norm gradients across tensor-parallel
+ranks before each step. Context and expert parallelism and megatron's distributed optimizer are refused with the
+setting that asks for them (``RUN_FIELDS`` / ``REFUSED_FIELDS`` in :mod:`~lightning_accel.strategies.megatron_core`).
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class AcceleratedMegatronLMStrategy(_MegatronMembers, AcceleratedDDPStrategy):
 
         def closure_then_clip() -> Any:
             result = closure()
+            self._megatron.reduce_sequence_parallel_gradients([target])
             self._megatron.clip_gradients(target)
             return result
 
@@ -271,12 +273,19 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
         """``fabric.clip_gradients(max_norm=...)`` by the norm of the whole gradient, across tensor-parallel shards.
 
         Raises:
-            ValueError: For a norm other than L2.
+            ValueError: For a norm other than L2, or with sequence parallelism (the layer-norm gradients are summed
+                across tensor-parallel ranks in ``optimizer.step()``, after this call).
             RuntimeError: If ``error_if_nonfinite`` and the norm is not finite.
 
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"acc_megatron_lm clips by the L2 norm only, got norm_type={norm_type}; pass 2")
+        if self._megatron.plugin.sequence_parallelism:
+            raise ValueError(
+                "fabric.clip_gradients would clip before the sequence-parallel layer-norm gradients are summed "
+                "(in optimizer.step()); with MegatronLMPlugin(sequence_parallelism=True) clip with "
+                "MegatronLMPlugin(gradient_clipping=...) instead"
+            )
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return clip_grad_norm_across_tensor_parallel(params, float(max_norm), check_finite=error_if_nonfinite)
@@ -348,6 +357,7 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         _refuse_scaled_gradients(self.precision, self._megatron)
+        self._megatron.reduce_sequence_parallel_gradients(self._megatron_modules)
         for module in self._megatron_modules:
             self._megatron.clip_gradients(module)
         return super().optimizer_step(optimizer, **kwargs)

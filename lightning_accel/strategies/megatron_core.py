@@ -1,17 +1,20 @@
 """The behaviour of ``acc_megatron_lm``, written once for the Trainer and Fabric strategies.
 
-:class:`MegatronFamily` checks a :class:`MegatronLMPlugin` against what this strategy implements, builds
-megatron-core's parallel state (tensor-parallel and data-parallel groups) over the process group Lightning created,
-wraps the model in ``DistributedDataParallel`` over the data-parallel group only, shards data by data-parallel rank
-(tensor-parallel ranks read the same batch), and clips gradients by their global norm across the tensor-parallel
-shards. megatron-core is imported when a strategy is built; importing this module does not import it.
+:class:`MegatronFamily` checks a :class:`MegatronLMPlugin` against what this strategy implements (every field is
+in :data:`RUN_FIELDS` or :data:`REFUSED_FIELDS`), builds megatron-core's parallel state (tensor-, pipeline- and
+data-parallel groups) over the process group Lightning created, wraps the model in ``DistributedDataParallel`` over
+the data-parallel group only, shards data by data-parallel rank (tensor-parallel ranks read the same batch), sums
+sequence-parallel gradients across tensor-parallel ranks, and clips gradients by their global norm across the
+tensor-parallel shards. megatron-core is imported when a strategy is built; importing this module does not import it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable
-from typing import Any
+from contextlib import ExitStack
+from typing import Any, NamedTuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -22,39 +25,121 @@ from lightning_accel.config import DistributedDataParallelKwargs
 from lightning_accel.config.megatron import MegatronLMPlugin
 from lightning_accel.strategies.megatron_pipeline import Batch, ForwardFn, LossFn, pipeline_step
 
-__all__ = ["MegatronFamily", "check_plugin", "clip_grad_norm_across_tensor_parallel", "require_megatron"]
+__all__ = [
+    "REFUSED_FIELDS",
+    "RUN_FIELDS",
+    "MegatronFamily",
+    "Refused",
+    "check_plugin",
+    "clip_grad_norm_across_tensor_parallel",
+    "require_megatron",
+]
 
 _INSTALL = (
     "acc_megatron_lm needs megatron-core: `pip install lightning-accel[megatron]` (or `pip install megatron-core`; "
     "0.16.1 is the newest release for Python 3.10/3.11)"
 )
 
-# (field, the value the strategy runs, why another value is refused and what to pass instead)
-_UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
-    (
-        "context_parallel_size",
-        1,
-        "context parallelism is not implemented (Accelerate's default is 2); pass context_parallel_size=1 "
-        "(`megatron_lm_context_parallel_size: 1` in an Accelerate config file)",
-    ),
-    ("expert_model_parallel_size", 1, "expert parallelism (MoE) is not implemented; use 1"),
-    ("expert_tensor_parallel_size", 1, "expert tensor parallelism (MoE) is not implemented; use 1"),
-    (
-        "sequence_parallelism",
-        False,
-        "sequence parallelism needs megatron's DDP to all-reduce the layer-norm gradients across tensor-parallel "
-        "ranks, which this strategy does not use; pass sequence_parallelism=False",
-    ),
-    (
-        "use_distributed_optimizer",
-        False,
-        "megatron's distributed optimizer is not implemented; pass use_distributed_optimizer=False (or use "
-        "acc_fsdp / acc_deepspeed to shard optimizer state)",
-    ),
-    ("use_custom_fsdp", False, "megatron's custom FSDP is not implemented; pass use_custom_fsdp=False"),
-    ("optimizer_cpu_offload", False, "megatron's optimizer CPU offload is not implemented; pass False"),
-    ("num_layers_per_virtual_pipeline_stage", None, "virtual pipeline stages need pipeline parallelism; pass None"),
+# Every MegatronLMPlugin field is in exactly one of the two tables below (a test walks the dataclass's fields).
+
+# Fields acc_megatron_lm runs, with where each one acts.
+RUN_FIELDS: dict[str, str] = {
+    "tp_degree": "megatron's tensor-parallel group size (parallel_state.initialize_model_parallel)",
+    "pp_degree": "megatron's pipeline-parallel group size; pipeline_step runs megatron's 1F1B schedule",
+    "num_micro_batches": "the micro-batches pipeline_step cuts each batch into",
+    "gradient_clipping": "the global-norm clipping before each optimizer step (0 disables it)",
+    "sequence_parallelism": "TransformerConfig.sequence_parallel, with the layer-norm gradients summed across "
+    "tensor-parallel ranks before each optimizer step (megatron's _allreduce_non_tensor_model_parallel_grads)",
+    "recompute_activations": "TransformerConfig.recompute_granularity (refused on CPU: megatron saves the CUDA RNG)",
+    "recompute_granularity": "TransformerConfig.recompute_granularity when recompute_activations=True",
+    "recompute_method": "TransformerConfig.recompute_method when recompute_activations=True (full granularity)",
+    "recompute_num_layers": "TransformerConfig.recompute_num_layers when recompute_activations=True (full)",
+    "attention_dropout": "TransformerConfig.attention_dropout",
+    "hidden_dropout": "TransformerConfig.hidden_dropout",
+    "attention_softmax_in_fp32": "TransformerConfig.attention_softmax_in_fp32",
+    "calculate_per_token_loss": "TransformerConfig.calculate_per_token_loss",
+    "use_rotary_position_embeddings": "gpt_model's position embeddings (rope needs CUDA; learned absolute otherwise)",
+}
+
+_PREPARE_PATH = (
+    "it is read by Accelerate's megatron_lm_prepare_* path (Megatron-LM's megatron.training: its argument parser, "
+    "datasets, scheduler, train step and logging), which acc_megatron_lm does not implement (build the model with "
+    "gpt_model, the data and the scheduler with Lightning)"
 )
+_NO_DISTRIBUTED_OPTIMIZER = (
+    "megatron-core 0.16.1's DistributedOptimizer needs CUDA parameters (it raises \"TypeError: Wrapped parameters "
+    'must be one of torch.cuda.FloatTensor, ..." for a CPU tensor, and its DistributedDataParallel allocates its '
+    "gradient buffers on torch.cuda.current_device()); this strategy keeps torch's DDP and the plain optimizer (or "
+    "use acc_fsdp / acc_deepspeed to shard optimizer state)"
+)
+
+
+class Refused(NamedTuple):
+    """A field this strategy refuses unless it holds ``runs``, and why."""
+
+    runs: Any
+    reason: str
+
+
+# Fields acc_megatron_lm refuses at construction unless they hold the value it runs, with the reason.
+REFUSED_FIELDS: dict[str, Refused] = {
+    "context_parallel_size": Refused(
+        1,
+        "context parallelism needs TransformerEngine's attention (megatron-core 0.16.1's DotProductAttention asserts "
+        '"Context parallelism is only supported by TEDotProductAttention!"; TransformerEngine is CUDA-only); '
+        "Accelerate's default is 2, so an Accelerate config file needs `megatron_lm_context_parallel_size: 1`",
+    ),
+    "expert_model_parallel_size": Refused(1, "expert parallelism (MoE) is not implemented"),
+    "expert_tensor_parallel_size": Refused(1, "expert tensor parallelism (MoE) is not implemented"),
+    "use_distributed_optimizer": Refused(False, _NO_DISTRIBUTED_OPTIMIZER),
+    "use_custom_fsdp": Refused(False, "megatron's custom FSDP is not implemented"),
+    "optimizer_cpu_offload": Refused(False, "megatron's optimizer CPU offload is not implemented"),
+    "overlap_cpu_optimizer_d2h_h2d": Refused(False, "megatron's optimizer CPU offload is not implemented"),
+    "use_precision_aware_optimizer": Refused(False, "megatron's precision-aware optimizer is not implemented"),
+    "num_layers_per_virtual_pipeline_stage": Refused(None, "virtual (interleaved) pipeline stages are not implemented"),
+    "decoder_last_pipeline_num_layers": Refused(None, "uneven pipeline stages are not implemented"),
+    "pipeline_model_parallel_split_rank": Refused(None, "encoder-decoder pipeline splits are not implemented"),
+    "attention_backend": Refused(
+        True, "attention backend selection is megatron.training's; gpt_model picks the attention itself"
+    ),
+    "no_load_optim": Refused(False, _PREPARE_PATH),
+    "no_save_optim": Refused(False, _PREPARE_PATH),
+    "eod_mask_loss": Refused(False, _PREPARE_PATH),
+    "is_train_batch_min": Refused(True, _PREPARE_PATH),
+    "train_iters": Refused(None, _PREPARE_PATH),
+    "train_samples": Refused(None, _PREPARE_PATH),
+    "weight_decay_incr_style": Refused("constant", _PREPARE_PATH),
+    "start_weight_decay": Refused(None, _PREPARE_PATH),
+    "end_weight_decay": Refused(None, _PREPARE_PATH),
+    "lr_decay_style": Refused("linear", _PREPARE_PATH),
+    "lr_decay_iters": Refused(None, _PREPARE_PATH),
+    "lr_decay_samples": Refused(None, _PREPARE_PATH),
+    "lr_warmup_iters": Refused(None, _PREPARE_PATH),
+    "lr_warmup_samples": Refused(None, _PREPARE_PATH),
+    "lr_warmup_fraction": Refused(None, _PREPARE_PATH),
+    "min_lr": Refused(0, _PREPARE_PATH),
+    "consumed_samples": Refused(None, _PREPARE_PATH),
+    "no_wd_decay_cond": Refused(None, _PREPARE_PATH),
+    "scale_lr_cond": Refused(None, _PREPARE_PATH),
+    "lr_mult": Refused(1.0, _PREPARE_PATH),
+    "megatron_dataset_flag": Refused(False, _PREPARE_PATH),
+    "seq_length": Refused(None, _PREPARE_PATH),
+    "encoder_seq_length": Refused(None, _PREPARE_PATH),
+    "decoder_seq_length": Refused(None, _PREPARE_PATH),
+    "tensorboard_dir": Refused(None, _PREPARE_PATH),
+    "set_all_logging_options": Refused(False, _PREPARE_PATH),
+    "eval_iters": Refused(100, _PREPARE_PATH),
+    "eval_interval": Refused(1000, _PREPARE_PATH),
+    "return_logits": Refused(False, _PREPARE_PATH),
+    "custom_train_step_class": Refused(None, _PREPARE_PATH),
+    "custom_train_step_kwargs": Refused(None, _PREPARE_PATH),
+    "custom_model_provider_function": Refused(None, _PREPARE_PATH),
+    "custom_prepare_model_function": Refused(None, _PREPARE_PATH),
+    "custom_megatron_datasets_provider_function": Refused(None, _PREPARE_PATH),
+    "custom_get_batch_function": Refused(None, _PREPARE_PATH),
+    "custom_loss_function": Refused(None, _PREPARE_PATH),
+    "other_megatron_args": Refused(None, _PREPARE_PATH),
+}
 
 
 def require_megatron() -> None:
@@ -86,11 +171,12 @@ def check_plugin(plugin: MegatronLMPlugin | None) -> MegatronLMPlugin:
         return MegatronLMPlugin(context_parallel_size=1)
     if not isinstance(plugin, MegatronLMPlugin):
         raise TypeError(f"megatron_lm_plugin must be a MegatronLMPlugin, got {type(plugin).__name__}: {plugin!r}")
-    for name, supported, fix in _UNSUPPORTED:
+    for name, (runs, reason) in REFUSED_FIELDS.items():
         value = getattr(plugin, name)
-        if value != supported:
+        if value != runs:
             raise ValueError(
-                f"acc_megatron_lm (DistributedType.MEGATRON_LM) cannot run MegatronLMPlugin({name}={value!r}): {fix}."
+                f"acc_megatron_lm (DistributedType.MEGATRON_LM) cannot run MegatronLMPlugin({name}={value!r}): "
+                f"{reason}. Pass {name}={runs!r}."
             )
     return plugin
 
@@ -112,6 +198,7 @@ class MegatronFamily:
         self.plugin = check_plugin(plugin)
         self.ddp_kwargs = ddp_kwargs if ddp_kwargs is not None else DistributedDataParallelKwargs()
         self._initialized_here = False
+        self._cpu_redirection = ExitStack()
 
     def check_devices(self, devices: list[torch.device] | None) -> None:
         """Refuse settings the chosen devices cannot run.
@@ -166,9 +253,26 @@ class MegatronFamily:
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
+        elif self.plugin.sequence_parallelism:
+            self._redirect_sequence_parallel_to_cpu()
+
+    def _redirect_sequence_parallel_to_cpu(self) -> None:
+        """Let megatron's sequence-parallel layers run on CPU, until :meth:`teardown`.
+
+        Their all-gather and reduce-scatter buffers are allocated on ``torch.cuda.current_device()`` (in
+        ``tensor_parallel.mappings``, ``tensor_parallel.layers`` and ``GlobalMemoryBuffer``), which is pointed at the
+        CPU; and the embedding's dropout forks the CUDA RNG tracker, which becomes megatron's own no-op tracker
+        (``initialize_rng_tracker(inference_rng_tracker=True)``), so dropout draws from torch's CPU generator.
+        """
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+        self._cpu_redirection.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        self._cpu_redirection.callback(initialize_rng_tracker, force_reset=True)
 
     def teardown(self) -> None:
         """Destroy megatron-core's parallel state if this strategy built it."""
+        self._cpu_redirection.close()
         if self._initialized_here:
             from megatron.core import parallel_state
 
@@ -220,6 +324,26 @@ class MegatronFamily:
             module, batch, forward, loss, num_micro_batches=self.plugin.num_micro_batches, device=device
         )
 
+    def reduce_sequence_parallel_gradients(self, modules: Iterable[Module]) -> None:
+        """Sum the gradients of sequence-parallel parameters (layer norms) across tensor-parallel ranks.
+
+        With ``sequence_parallelism`` each tensor-parallel rank holds part of the sequence, so the gradients of the
+        parameters megatron marks ``sequence_parallel`` are partial; megatron's own
+        ``_allreduce_non_tensor_model_parallel_grads`` (what its ``finalize_model_grads`` calls) sums them. Call it
+        once per optimizer step, after the last backward. Nothing happens without sequence parallelism.
+        """
+        if not self.plugin.sequence_parallelism:
+            return
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+        modules = list(modules)
+        if modules:
+            chunks = [_ModelChunk(module, DistributedDataParallelConfig()) for module in modules]
+            group = parallel_state.get_tensor_model_parallel_group()
+            _allreduce_non_tensor_model_parallel_grads(chunks, _model_config(modules), group)
+
     def clip_gradients(self, module: Module) -> torch.Tensor | None:
         """Clip by ``plugin.gradient_clipping`` (0 disables) using the norm of the whole, unsharded gradient.
 
@@ -230,6 +354,35 @@ class MegatronFamily:
         if not self.plugin.gradient_clipping:
             return None
         return clip_grad_norm_across_tensor_parallel(module.parameters(), self.plugin.gradient_clipping)
+
+
+class _ModelChunk(NamedTuple):
+    """What megatron's gradient finalization reads of a model chunk: the module and a ``ddp_config``.
+
+    megatron's helpers find the parameters through ``.module`` (torch's DDP or the bare model) and read
+    ``ddp_config.use_megatron_fsdp``; this strategy uses torch's DDP, so the config is megatron's default.
+    """
+
+    module: Module
+    ddp_config: Any
+
+
+def _model_config(modules: Iterable[Module]) -> Any:
+    """The ``TransformerConfig`` of the first megatron module found in ``modules``.
+
+    Raises:
+        ValueError: If none carries one (sequence parallelism needs megatron-core layers).
+
+    """
+    for module in modules:
+        for sub in module.modules():
+            config = getattr(sub, "config", None)
+            if config is not None and hasattr(config, "sequence_parallel"):
+                return config
+    raise ValueError(
+        "MegatronLMPlugin(sequence_parallelism=True) needs a model of megatron-core layers built with "
+        "sequence_parallel=True (gpt_model or transformer_config from the plugin)"
+    )
 
 
 def clip_grad_norm_across_tensor_parallel(

@@ -6,6 +6,9 @@ spec stops there with ``AssertionError: Torch not compiled with CUDA enabled``. 
 ``core_attention`` for that spec (the projections, MLP, embeddings and vocab-parallel loss stay megatron's):
 :func:`gpt_model` uses it when CUDA is absent, megatron's own attention otherwise. megatron-core is imported inside the
 functions only.
+
+Sequence parallelism on CPU needs a norm that marks its parameters (megatron's ``WrappedTorchNorm`` asserts
+``sequence parallel not supported by torch LayerNorm``): :class:`CPULayerNorm` comes with :class:`CPUCoreAttention`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch.nn import functional as F
 from lightning_accel.config.megatron import MegatronLMPlugin
 from lightning_accel.strategies.megatron_core import require_megatron
 
-__all__ = ["CPUCoreAttention", "gpt_model", "transformer_config"]
+__all__ = ["CPUCoreAttention", "CPULayerNorm", "gpt_model", "transformer_config"]
 
 
 class CPUCoreAttention(Module):
@@ -104,6 +107,45 @@ class CPUCoreAttention(Module):
         return None
 
 
+class CPULayerNorm(torch.nn.LayerNorm):
+    """torch's ``LayerNorm`` in the place of megatron's norm, marking its parameters for sequence parallelism.
+
+    megatron-core's ``WrappedTorchNorm`` (its norm without Apex or TransformerEngine) refuses sequence parallelism
+    only because torch's norm does not mark its weight and bias. With ``config.sequence_parallel`` each tensor-parallel
+    rank normalizes its own part of the sequence, so its norm gradients are partial sums; like Apex's
+    ``FusedLayerNorm``, this norm sets ``sequence_parallel`` on its parameters so that megatron's
+    ``_allreduce_non_tensor_model_parallel_grads`` sums them across tensor-parallel ranks.
+
+    Args:
+        config: The model's ``TransformerConfig`` (``normalization`` must be ``"LayerNorm"``).
+        hidden_size: The normalized size.
+        eps: The epsilon of the norm.
+        **unused: Further arguments megatron passes (``persist_layer_norm``, ``zero_centered_gamma``, ...).
+
+    Raises:
+        ValueError: For a normalization other than ``"LayerNorm"``.
+
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+        if config.normalization != "LayerNorm":
+            raise ValueError(f"CPULayerNorm is a LayerNorm, got normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+
+def _cpu_spec(spec: Any, config: Any) -> Any:
+    """Megatron's local spec with :class:`CPUCoreAttention` and :class:`CPULayerNorm`, as a block of this stage."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = copy.deepcopy(spec)
+    layer.submodules.self_attention.submodules.core_attention = CPUCoreAttention
+    layer.submodules.input_layernorm = CPULayerNorm
+    layer.submodules.pre_mlp_layernorm = CPULayerNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=CPULayerNorm)
+
+
 def _check_cpu_attention_config(config: Any) -> None:
     if config.num_query_groups not in (None, config.num_attention_heads):
         raise ValueError(
@@ -183,8 +225,8 @@ def gpt_model(
         plugin: The run's Megatron-LM settings (see :func:`transformer_config`).
         vocab_size: Vocabulary size (a multiple of ``tp_degree``).
         max_sequence_length: Longest sequence (position embeddings).
-        cpu_attention: Use :class:`CPUCoreAttention` instead of megatron's ``DotProductAttention``; ``None`` means
-            "when CUDA is unavailable".
+        cpu_attention: Use :class:`CPUCoreAttention` instead of megatron's ``DotProductAttention`` and
+            :class:`CPULayerNorm` instead of its norm; ``None`` means "when CUDA is unavailable".
         position_embedding_type: ``"learned_absolute"`` or ``"rope"``; ``None`` follows
             ``plugin.use_rotary_position_embeddings``.
         **config_fields: ``TransformerConfig`` fields: ``num_layers``, ``hidden_size``, ``num_attention_heads`` and
@@ -205,11 +247,6 @@ def gpt_model(
 
     if vocab_size % plugin.tp_degree:
         raise ValueError(f"vocab_size={vocab_size} must be a multiple of tp_degree={plugin.tp_degree}")
-    config = transformer_config(plugin, **config_fields)
-    spec = get_gpt_layer_local_spec()
-    if (not torch.cuda.is_available()) if cpu_attention is None else cpu_attention:
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = CPUCoreAttention
     if position_embedding_type is None:
         position_embedding_type = "rope" if plugin.use_rotary_position_embeddings else "learned_absolute"
     if position_embedding_type == "rope" and not torch.cuda.is_available():
@@ -218,6 +255,10 @@ def gpt_model(
             "torch.cuda.current_device()); on CPU pass MegatronLMPlugin(use_rotary_position_embeddings=False) or "
             "position_embedding_type='learned_absolute'"
         )
+    config = transformer_config(plugin, **config_fields)
+    spec = get_gpt_layer_local_spec()
+    if (not torch.cuda.is_available()) if cpu_attention is None else cpu_attention:
+        spec = _cpu_spec(spec, config)
     from megatron.core import parallel_state
 
     return GPTModel(

@@ -154,14 +154,18 @@ def run_trainer(
 
 
 def run_fabric(
-    plugin: MegatronLMPlugin, world: int, clip_by_call: float = 0.0, checkpoint: Path | None = None
+    plugin: MegatronLMPlugin,
+    world: int,
+    clip_by_call: float = 0.0,
+    checkpoint: Path | None = None,
+    strategy: FabricAcceleratedMegatronLMStrategy | None = None,
 ) -> dict[str, Any]:
     """Fabric's loop; ``clip_by_call`` > 0 clips with ``fabric.clip_gradients`` instead of the plugin.
 
     With ``checkpoint``, the trained model and optimizer are saved there with ``fabric.save`` and loaded into a fresh
-    model and optimizer with ``fabric.load``.
+    model and optimizer with ``fabric.load``. ``strategy`` replaces the one built from ``plugin``.
     """
-    strategy = FabricAcceleratedMegatronLMStrategy(plugin)
+    strategy = strategy or FabricAcceleratedMegatronLMStrategy(plugin)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     model = build(plugin, cpu_attention=True)

@@ -8,8 +8,9 @@ CUDA (megatron's own attention, rotary embeddings and activation recomputation n
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,15 +27,22 @@ from torch.nn import functional as F
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies import entry_for, strategy_for
 from lightning_accel.strategies.megatron import AcceleratedMegatronLMStrategy, FabricAcceleratedMegatronLMStrategy
-from lightning_accel.strategies.megatron_core import MegatronFamily, check_plugin
+from lightning_accel.strategies.megatron_core import REFUSED_FIELDS, RUN_FIELDS, MegatronFamily, check_plugin
 from lightning_accel.utils import MegatronLMPlugin
-from tests.helpers import SCRIPTS, free_port, load_rank_results, run_python, torchrun
+from tests.helpers import (
+    ACCELERATE_CONFIGS,
+    SCRIPTS,
+    free_port,
+    has_module,
+    load_rank_results,
+    run_python,
+    torchrun_each,
+)
 from tests.scripts.megatron_parity import CLIP
 
-HAS_MEGATRON = (
-    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+needs_megatron = pytest.mark.skipif(
+    not has_module("megatron.core"), reason="megatron-core is not installed (the megatron extra)"
 )
-needs_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed (the megatron extra)")
 ATOL = 1e-5
 Results = dict[str, list[dict[str, Any]]]
 
@@ -79,22 +87,92 @@ def test_without_megatron_the_error_names_the_extra(monkeypatch: pytest.MonkeyPa
 # --- refusals (the plugin check needs no megatron-core) ---
 
 
+_CHOICES = {"recompute_granularity": "selective", "recompute_method": "block", "weight_decay_incr_style": "linear"}
+_CHOICES["lr_decay_style"] = "cosine"
+_BY_TYPE: dict[str, Any] = {
+    "int | None": 2,
+    "float | None": 0.5,
+    "str | None": "logs",
+    "list[int] | None": [1, 0, 0],
+    "dict[str, Any] | None": {"num_layers": 2},
+    "Callable[..., Any] | None": print,
+    "Any | None": object,
+}
+
+
+def non_default(field: dataclasses.Field[Any], usual: Any) -> Any:
+    """A valid MegatronLMPlugin value for ``field`` other than ``usual``."""
+    if field.name in _CHOICES:
+        return _CHOICES[field.name]
+    if isinstance(usual, bool):
+        return not usual
+    if isinstance(usual, int | float) and field.type in ("int", "float"):
+        return usual + 1 if field.type == "int" else usual / 2 + 0.25
+    return _BY_TYPE[str(field.type)]
+
+
+def test_every_plugin_field_is_classified_once() -> None:
+    names = {field.name for field in dataclasses.fields(MegatronLMPlugin)}
+    assert not RUN_FIELDS.keys() & REFUSED_FIELDS.keys()
+    assert names - RUN_FIELDS.keys() - REFUSED_FIELDS.keys() == set(), "classify them in megatron_core"
+    assert RUN_FIELDS.keys() | REFUSED_FIELDS.keys() == names
+
+
+@pytest.mark.parametrize("field", dataclasses.fields(MegatronLMPlugin), ids=lambda field: field.name)
+def test_a_non_default_value_of_each_field_runs_or_is_refused_with_the_fix(field: dataclasses.Field[Any]) -> None:
+    if field.name in RUN_FIELDS:
+        value = non_default(field, field.default)
+        assert getattr(check_plugin(plugin(**{field.name: value})), field.name) == value
+        return
+    runs = REFUSED_FIELDS[field.name].runs
+    value = non_default(field, runs)
+    expected = (
+        rf"MegatronLMPlugin\({field.name}={re.escape(repr(value))}\): .+\. Pass {field.name}={re.escape(repr(runs))}\.$"
+    )
+    with pytest.raises(ValueError, match=expected):
+        check_plugin(plugin(**{field.name: value}))
+    check_plugin(plugin(**{field.name: runs}))  # the value it runs
+
+
+# (field, value, companion settings, TransformerConfig attribute, expected) for the fields transformer_config carries
+_CONFIG_EFFECTS: list[tuple[str, Any, dict[str, Any], str, Any]] = [
+    ("tp_degree", 2, {}, "tensor_model_parallel_size", 2),
+    ("pp_degree", 2, {}, "pipeline_model_parallel_size", 2),
+    ("attention_dropout", 0.25, {}, "attention_dropout", 0.25),
+    ("hidden_dropout", 0.25, {}, "hidden_dropout", 0.25),
+    ("attention_softmax_in_fp32", False, {}, "attention_softmax_in_fp32", False),
+    ("calculate_per_token_loss", False, {}, "calculate_per_token_loss", False),
+    ("sequence_parallelism", True, {"tp_degree": 2}, "sequence_parallel", True),
+    ("recompute_activations", True, {}, "recompute_granularity", "full"),
+    ("recompute_granularity", "selective", {"recompute_activations": True}, "recompute_granularity", "selective"),
+    ("recompute_method", "block", {"recompute_activations": True}, "recompute_method", "block"),
+    ("recompute_num_layers", 2, {"recompute_activations": True}, "recompute_num_layers", 2),
+]
+
+
+@needs_megatron
 @pytest.mark.parametrize(
-    ("field", "value", "fix"),
-    [
-        ("context_parallel_size", 2, "context_parallel_size=1"),
-        ("expert_model_parallel_size", 2, "use 1"),
-        ("expert_tensor_parallel_size", 2, "use 1"),
-        ("sequence_parallelism", True, "sequence_parallelism=False"),
-        ("use_distributed_optimizer", True, "use_distributed_optimizer=False"),
-        ("use_custom_fsdp", True, "use_custom_fsdp=False"),
-        ("optimizer_cpu_offload", True, "pass False"),
-        ("num_layers_per_virtual_pipeline_stage", 2, "pass None"),
-    ],
+    ("field", "value", "companions", "attribute", "expected"),
+    _CONFIG_EFFECTS,
+    ids=lambda x: x if isinstance(x, str) else "",
 )
-def test_unimplemented_settings_are_refused_with_the_fix(field: str, value: Any, fix: str) -> None:
-    with pytest.raises(ValueError, match=rf"MegatronLMPlugin\({field}={value!r}\).*{fix}"):
-        check_plugin(plugin(**{field: value}))
+def test_run_fields_reach_megatrons_transformer_config(
+    field: str, value: Any, companions: dict[str, Any], attribute: str, expected: Any
+) -> None:
+    from lightning_accel.strategies.megatron_gpt import transformer_config
+
+    assert field in RUN_FIELDS
+    sizes = {"num_layers": 4, "hidden_size": 16, "num_attention_heads": 4}
+    config = transformer_config(check_plugin(plugin(**{field: value}, **companions)), **sizes)
+    assert getattr(config, attribute) == expected
+    assert getattr(transformer_config(plugin(), **sizes), attribute) != expected
+
+
+@needs_megatron
+def test_gradient_clipping_zero_disables_clipping() -> None:
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    assert MegatronFamily(plugin(gradient_clipping=0), None).clip_gradients(model) is None
 
 
 def test_accelerates_default_plugin_is_refused_for_its_context_parallel_size() -> None:
@@ -103,6 +181,20 @@ def test_accelerates_default_plugin_is_refused_for_its_context_parallel_size() -
     assert check_plugin(None).context_parallel_size == 1 and check_plugin(None).tp_degree == 1
     with pytest.raises(TypeError, match="must be a MegatronLMPlugin"):
         check_plugin({"tp_degree": 2})  # type: ignore[arg-type]
+
+
+def test_the_fixture_config_runs_but_for_context_parallelism_and_the_distributed_optimizer() -> None:
+    from lightning_accel.config import load_config
+    from lightning_accel.utils.environment import accelerator_kwargs
+
+    given = accelerator_kwargs(config=load_config(ACCELERATE_CONFIGS / "megatron.yaml"))["megatron_lm_plugin"]
+    assert (given.pp_degree, given.num_micro_batches, given.sequence_parallelism) == (2, 2, True)
+    with pytest.raises(ValueError, match=r"\(context_parallel_size=2\)"):
+        check_plugin(given)
+    with pytest.raises(ValueError, match=r"\(use_distributed_optimizer=True\): megatron-core 0.16.1's"):
+        check_plugin(dataclasses.replace(given, context_parallel_size=1))
+    runs = check_plugin(dataclasses.replace(given, context_parallel_size=1, use_distributed_optimizer=False))
+    assert runs.sequence_parallelism and runs.pp_degree == 2  # pipeline and sequence parallelism run
 
 
 @needs_megatron
@@ -227,6 +319,72 @@ def test_tp_degree_must_divide_the_world_size(one_process_group: None) -> None:
         family.setup_parallel_state(torch.device("cpu"))
 
 
+# --- what megatron-core 0.16.1 cannot run on CPU: the limits behind two refusals ---
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the limits are those of a machine without CUDA")
+
+
+@pytest.fixture
+def megatron_parallel_state(one_process_group: None) -> Iterator[None]:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def _megatron_module() -> Any:
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, use_cpu_initialization=True)
+    module = MegatronModule(config)
+    module.linear = torch.nn.Linear(4, 4)
+    return module
+
+
+def _distributed_ddp(module: Any) -> Any:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(module.config, DistributedDataParallelConfig(use_distributed_optimizer=True), module)
+
+
+@needs_megatron
+@no_cuda
+def test_megatrons_ddp_allocates_its_gradient_buffers_on_cuda(megatron_parallel_state: None) -> None:
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        _distributed_ddp(_megatron_module())
+
+
+@needs_megatron
+@no_cuda
+def test_megatrons_distributed_optimizer_needs_cuda_parameters(megatron_parallel_state: None) -> None:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from lightning_accel.strategies.megatron_pipeline import cpu_schedule_allocations
+
+    with cpu_schedule_allocations(torch.device("cpu")):  # past the buffers' CUDA allocation, as the schedules run
+        model = _distributed_ddp(_megatron_module())
+        config = OptimizerConfig(optimizer="adam", lr=0.1, use_distributed_optimizer=True)
+        with pytest.raises(TypeError, match=r"must be one of torch.cuda.FloatTensor.*Received torch.FloatTensor"):
+            get_megatron_optimizer(config, [model])
+    assert "torch.cuda.FloatTensor" in REFUSED_FIELDS["use_distributed_optimizer"].reason
+
+
+@needs_megatron
+def test_megatrons_attention_has_no_context_parallelism_without_transformer_engine() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if has_module("transformer_engine"):
+        pytest.skip("TransformerEngine's attention is installed (it runs context parallelism on CUDA)")
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, context_parallel_size=2)
+    with pytest.raises(AssertionError, match="Context parallelism is only supported by TEDotProductAttention!"):
+        DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    assert "TEDotProductAttention" in REFUSED_FIELDS["context_parallel_size"].reason
+
+
 # --- the CPU core attention against torch's own attention ---
 
 
@@ -253,10 +411,7 @@ def test_cpu_core_attention_matches_torch_sdpa(masked: bool) -> None:
 
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("megatron")
-    torchrun("megatron_parity.py", "--out", str(out), nproc=1, timeout=300)
-    torchrun("megatron_parity.py", "--out", str(out), nproc=2, timeout=420)
-    return out
+    return torchrun_each(tmp_path_factory.mktemp("megatron"), "megatron_parity.py", {1: 300, 2: 420})
 
 
 @pytest.fixture(scope="module")
@@ -364,8 +519,7 @@ def test_accelerator_prepared_loader_gives_tensor_parallel_peers_the_same_batche
 @needs_megatron
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_one_gpu_megatron_attention_rope_and_recompute(tmp_path: Path) -> None:
-    torchrun("megatron_gpu.py", "--out", str(tmp_path), nproc=1, timeout=600)
-    results = load_rank_results(tmp_path)
+    results = load_rank_results(torchrun_each(tmp_path, "megatron_gpu.py", {1: 600}))
     native = results["native"][0]
     assert native["core_attention"] == "DotProductAttention"
     assert_matches(results["cpu_attention"][0], native)  # the CPU attention equals megatron's on the same device

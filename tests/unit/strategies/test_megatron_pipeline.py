@@ -8,7 +8,6 @@ an exact resume from them, Fabric and Trainer alike.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,11 @@ import pytest
 import torch
 
 from lightning_accel.strategies.megatron_pipeline import split_micro_batches
-from tests.helpers import load_rank_results, torchrun
+from tests.helpers import has_module, load_rank_results, torchrun_each
 
-HAS_MEGATRON = (
-    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+needs_megatron = pytest.mark.skipif(
+    not has_module("megatron.core"), reason="megatron-core is not installed (the megatron extra)"
 )
-needs_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed (the megatron extra)")
 ATOL = 1e-5
 Results = dict[str, list[dict[str, Any]]]
 
@@ -39,10 +37,7 @@ def test_split_micro_batches_cuts_every_tensor_alike() -> None:
 
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("megatron_pipeline")
-    torchrun("megatron_pipeline.py", "--out", str(out), nproc=1, timeout=240)
-    torchrun("megatron_pipeline.py", "--out", str(out), nproc=2, timeout=300)
-    return out
+    return torchrun_each(tmp_path_factory.mktemp("megatron_pipeline"), "megatron_pipeline.py", {1: 240, 2: 300})
 
 
 @pytest.fixture(scope="module")
