@@ -42,6 +42,7 @@ from lightning_accel._accelerator.deepspeed_members import ReturnedModels, ulyss
 from lightning_accel._accelerator.gradients import GradientClipping, raw_optimizer
 from lightning_accel._accelerator.module import (
     AcceleratedModule,
+    autocast_own_forward,
     check_quantized_placement,
     distributed_data_parallel,
     evaluation_module,
@@ -721,8 +722,15 @@ class Accelerator:
 
     def _register_model(self, objects: list[Any], index: int, model: _FabricModule) -> None:
         adopted = AcceleratedModule.adopt(model)
+        self._autocast_own_forward(adopted)
         self._prepared.models.append(adopted)
         objects[index] = self._returned.returned(adopted)
+
+    def _autocast_own_forward(self, prepared: Module) -> None:
+        """As Accelerate: the user's module computes in the mixed dtype when called unwrapped, too."""
+        precision = self._mixed_precision.autocasting_plugin()
+        if precision is not None:
+            autocast_own_forward(extract_model_from_parallel(prepared), precision)
 
     def _register_optimizer(self, optimizer: Optimizer, device_placement: bool) -> AcceleratedOptimizer:
         strategy = self.fabric.strategy
@@ -748,6 +756,7 @@ class Accelerator:
             return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
         place = self.device_placement if device_placement is None else device_placement
         prepared = evaluation_module(model, self.fabric.strategy, self.device if place else None, self._dynamo_plugin)
+        self._autocast_own_forward(prepared)
         self._prepared.models.append(prepared)
         return prepared
 

@@ -280,3 +280,41 @@ def check_backward_after_prepare(prepared: Sequence[AcceleratedModule]) -> None:
             "accumulation and gradient synchronisation would not apply; call `model, optimizer = "
             "accelerator.prepare(model, optimizer)` before the training loop"
         )
+
+
+def autocast_own_forward(module: Module, precision: AcceleratePrecision) -> None:
+    """Run ``module``'s own ``forward`` under the precision plugin's autocast when it is called outside Fabric's.
+
+    Accelerate's ``prepare`` wraps the user's module's ``forward`` itself in autocast (and its outputs back to fp32),
+    so the unwrapped model (``unwrap_model``, TRL's generation, a validation pipeline) computes in the mixed dtype
+    too, and every call returns fp32 outputs. Here autocast is the precision plugin's, entered by Fabric's wrapper;
+    this adds Accelerate's wrapper for the calls that do not go through Fabric's and converts the outputs of all.
+    The original forward is recorded as ``_original_forward``: ``unwrap_model(keep_fp32_wrapper=False)`` restores it.
+    A compiled module is left alone (its graph captured the forward it had).
+    """
+    if "_original_forward" in module.__dict__ or isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return
+    original = module.forward
+    module.__dict__["_original_forward"] = original
+    module.forward = _AutocastForward(original, precision)
+
+
+class _AutocastForward:
+    """``forward`` under the precision plugin's autocast (unless it is on already), its outputs in fp32 as Accelerate's.
+
+    A callable object rather than a closure, so that ``copy.deepcopy`` of the module rebinds it to the copy.
+    """
+
+    def __init__(self, original: Any, precision: AcceleratePrecision) -> None:
+        from lightning_accel.utils.operations import ConvertOutputsToFp32
+
+        self.__wrapped__ = original
+        self._precision = precision
+        self._device_type = precision.device_type
+        self._in_fp32 = ConvertOutputsToFp32(original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled(self._device_type):  # inside the prepared model's forward
+            return self._in_fp32(*args, **kwargs)
+        with self._precision.forward_context():
+            return self._in_fp32(*args, **kwargs)

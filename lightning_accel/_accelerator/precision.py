@@ -168,10 +168,15 @@ class MixedPrecision:
     @property
     def native_amp(self) -> bool:
         """fp16/bf16 autocast outside DeepSpeed."""
+        return self.autocasting_plugin() is not None
+
+    def autocasting_plugin(self) -> AcceleratePrecision | None:
+        """The precision plugin when it runs fp16/bf16 autocast (outside DeepSpeed), else ``None``."""
         precision = self._plugin
         if not isinstance(precision, AcceleratePrecision) or self._strategy.engine_steps_in_backward:
-            return False
-        return precision.mode == "mixed" and precision.compute_dtype in (torch.float16, torch.bfloat16)
+            return None
+        mixed = precision.mode == "mixed" and precision.compute_dtype in (torch.float16, torch.bfloat16)
+        return precision if mixed else None
 
     @property
     def _plugin(self) -> Precision:

@@ -582,3 +582,37 @@ def test_autocast_handlers_disable_autocast() -> None:
     accelerator = Accelerator(cpu=True, mixed_precision="bf16", kwargs_handlers=[AutocastKwargs(enabled=False)])
     with accelerator.autocast():
         assert (a @ a).dtype == torch.float32
+
+
+def test_the_user_module_computes_in_bf16_when_called_unwrapped_as_hf() -> None:
+    """Accelerate's prepare puts autocast on the user's module's own forward: generation loops (TRL) and validation
+    pipelines call the unwrapped model and must compute in the mixed dtype too (TRL's GRPO differed before)."""
+    import accelerate
+    from accelerate.state import AcceleratorState as HFAcceleratorState
+    from accelerate.state import GradientState as HFGradientState
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    def outputs(make: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        plain = model(x)
+        accelerator = make()
+        prepared = accelerator.prepare(model)
+        unwrapped = accelerator.unwrap_model(prepared)
+        direct, through = unwrapped(x), prepared(x)
+        restored = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)(x)
+        return plain, direct, through, restored
+
+    try:
+        hf = outputs(lambda: accelerate.Accelerator(cpu=True, mixed_precision="bf16"))
+    finally:
+        HFAcceleratorState._reset_state(True)
+        HFGradientState._reset_state()
+    ours = outputs(lambda: Accelerator(cpu=True, mixed_precision="bf16"))
+    for mine, theirs in zip(ours, hf, strict=True):
+        assert mine.dtype == theirs.dtype == torch.float32
+        assert torch.equal(mine, theirs)
+    plain, direct, through, restored = ours
+    assert torch.equal(direct, through) and not torch.equal(direct, plain)  # bf16 matmuls, fp32 outputs
+    assert torch.equal(restored, plain)  # keep_fp32_wrapper=False: the module's own fp32 forward again

@@ -123,10 +123,9 @@ def test_prepare_model_evaluation_mode_and_prepare_optimizer_placement() -> None
         optimizer = accelerator.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=True)
         assert optimizer.param_groups[0]["lr"] == 0.1
         outputs.append(model(x))
-    # Both run the forward under bf16 autocast; HF accelerate casts the output back to fp32, lightning_accel's prepared
-    # models (for training too) return autocast's dtype.
-    assert outputs[0].dtype == torch.float32 and outputs[1].dtype == torch.bfloat16
-    torch.testing.assert_close(outputs[1].float(), outputs[0], rtol=0, atol=0)
+    # Both run the forward under bf16 autocast and cast the outputs back to fp32.
+    assert outputs[0].dtype == outputs[1].dtype == torch.float32
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
 
 
 def _scaled_step_skipped(module: Any) -> list[bool]:

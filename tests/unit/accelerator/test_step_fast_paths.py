@@ -58,8 +58,14 @@ def test_fp32_forward_gives_the_modules_own_output() -> None:
 
 
 def test_bf16_forward_still_runs_under_autocast() -> None:
-    model = Accelerator(cpu=True, mixed_precision="bf16").prepare(nn.Linear(4, 2))
-    assert model(torch.randn(3, 4)).dtype == torch.bfloat16
+    torch.manual_seed(0)
+    layer, x = nn.Linear(4, 2), torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer(x)
+    plain = layer(x)
+    output = Accelerator(cpu=True, mixed_precision="bf16").prepare(layer)(x)
+    assert output.dtype == torch.float32  # Accelerate's fp32 outputs
+    assert torch.equal(output, expected.float()) and not torch.equal(output, plain)
 
 
 def test_a_precision_plugin_put_in_after_prepare_is_checked_again() -> None:
