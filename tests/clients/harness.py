@@ -98,6 +98,7 @@ def launch(client: Client, run: Run, side: str, work: Path) -> tuple[bool, str, 
     """Run ``run`` for ``side`` in ``work/side``; (succeeded, last line of the failure, seconds)."""
     folder = work / side
     folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder / run.name, ignore_errors=True)  # a work folder used before: this run starts from nothing
     for path in run.copy:
         source, destination = folder / str(run.after) / path, folder / run.name / path
         destination.parent.mkdir(parents=True, exist_ok=True)
