@@ -26,6 +26,7 @@ from lightning_accel.checkpoint import state_files
 from lightning_accel.checkpoint.engines import EngineCheckpoint
 from lightning_accel.checkpoint.folders import (
     SaveTarget,
+    abandon_on_error,
     numbered_checkpoints,
     on_disk_managers,
     publish,
@@ -244,8 +245,9 @@ class Checkpoints:
         target = SaveTarget(final, publisher=0 if self._state.is_main_process else self._state.process_index)
         if publisher:
             remove_stale(target)
-            self._write_shared_files(target.temporary, None, safe_serialization)
-            self._write_process_states(target.temporary, step)
+            with abandon_on_error(target.temporary):
+                self._write_shared_files(target.temporary, None, safe_serialization)
+                self._write_process_states(target.temporary, step)
             publish(target)
         else:
             stage(
@@ -277,14 +279,8 @@ class Checkpoints:
         raise_on_every_process(chosen[1], "save_state")  # the broadcast already reached every process
         target = SaveTarget(Path(chosen[0]))
         self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
-        target.temporary.mkdir(parents=True, exist_ok=True)
-        if engine is not None:
-            engine.save(self._prepared.models, self._prepared.optimizers, target.temporary, **engine_kwargs)
-            self._state.wait_for_everyone()
-        writer = self._state.is_local_main_process if config.save_on_each_node else self._state.is_main_process
-        if writer:
-            self._write_shared_files(target.temporary, engine, safe_serialization)
-        self._write_process_states(target.temporary, step)
+        with abandon_on_error(target.temporary):
+            self._write_together(target.temporary, engine, safe_serialization, step, engine_kwargs)
         self._state.wait_for_everyone()
         config.iteration += 1
         if config.save_on_each_node:  # node-local disks: each node gets the files (shards, metadata) it lacks
@@ -294,6 +290,24 @@ class Checkpoints:
         if config.automatic_checkpoint_naming:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
         return str(target.final)
+
+    def _write_together(
+        self,
+        folder: Path,
+        engine: EngineCheckpoint | None,
+        safe_serialization: bool,
+        step: int,
+        engine_kwargs: dict[str, Any],
+    ) -> None:
+        """Every process's part of a collective save: the engine's files, the shared files, the random states."""
+        folder.mkdir(parents=True, exist_ok=True)
+        if engine is not None:
+            engine.save(self._prepared.models, self._prepared.optimizers, folder, **engine_kwargs)
+            self._state.wait_for_everyone()
+        writer = self._state.is_local_main_process if self._project.save_on_each_node else self._state.is_main_process
+        if writer:
+            self._write_shared_files(folder, engine, safe_serialization)
+        self._write_process_states(folder, step)
 
     def _write_shared_files(self, folder: Path, engine: EngineCheckpoint | None, safe_serialization: bool) -> None:
         """The files one process writes: the weights and optimizers (unless an engine wrote them), the rest."""

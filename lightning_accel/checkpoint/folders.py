@@ -26,14 +26,16 @@ import contextlib
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_accel.state.shared_errors import run_where
+from lightning_accel.utils.file_writes import write_error
 
 __all__ = [
     "SaveTarget",
+    "abandon_on_error",
     "numbered_checkpoints",
     "on_disk_managers",
     "publish",
@@ -114,6 +116,24 @@ def remove_incomplete(root: Path) -> None:
                 remove_entry(entry)
 
 
+@contextlib.contextmanager
+def abandon_on_error(folder: Path) -> Iterator[None]:
+    """Remove ``folder`` (a save's temporary folder) when its writing fails, and re-raise.
+
+    A full disk, the file size limit or a quota is raised as
+    :class:`~lightning_accel.utils.file_writes.CheckpointWriteError` naming the file written last; the checkpoints
+    already published stay what resume and rotation see.
+    """
+    try:
+        yield
+    except Exception as error:
+        named = write_error(error, folder)  # before the removal: it names the file written last
+        shutil.rmtree(folder, ignore_errors=True)
+        if named is None or named is error:
+            raise
+        raise named from error
+
+
 def publish(target: SaveTarget) -> None:
     """Give the written checkpoint its real name (a no-op where another process of this disk already did).
 
@@ -154,9 +174,10 @@ def stage(
     for leftover in (writing, staged):
         if leftover.exists():
             remove_entry(leftover)
-    (writing / _DEFAULTS).mkdir(parents=True)
-    own(writing)
-    defaults(writing / _DEFAULTS)
+    with abandon_on_error(writing):
+        (writing / _DEFAULTS).mkdir(parents=True)
+        own(writing)
+        defaults(writing / _DEFAULTS)
     os.rename(writing, staged)
     if target.final.is_dir():
         _hand_in(staged, target.final)

@@ -37,7 +37,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -52,6 +51,7 @@ from lightning_accel.checkpoint.engines import (
 from lightning_accel.checkpoint.fsdp_policy import FSDPSettings, fsdp_settings, state_dict_options
 from lightning_accel.logging import get_logger
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from lightning_accel.utils.file_writes import torch_save
 from lightning_accel.utils.modeling import is_peft_model
 from lightning_accel.utils.modeling.checkpoint import contained_reader, read_checkpoint_file, weights_only_planner
 from lightning_accel.utils.operations import _is_main_process, _process_rank
@@ -116,10 +116,10 @@ def write_state(state: Any, files: FSDPFiles, full: bool, rank: int, use_dcp: bo
     if full:
         if rank != 0:
             return None
-        torch.save(state, files.full)
+        torch_save(state, files.full)
         return files.full
     if not use_dcp:
-        torch.save(state, files.per_rank(rank))
+        torch_save(state, files.per_rank(rank))
         return None
     import torch.distributed.checkpoint as dcp
 
@@ -403,7 +403,7 @@ def save_model(call: FSDPCall) -> None:
     with settings.context(module):
         state = _model_state(module, call.adapter_only, settings.options(module))
         if settings.state_dict_type.name == "LOCAL_STATE_DICT":
-            torch.save(state, files.local(rank))
+            torch_save(state, files.local(rank))
         elif (written := write_state(state, files, settings.full, rank, call.use_dcp)) is not None:
             logger.info(f"Model saved to {written}")
 

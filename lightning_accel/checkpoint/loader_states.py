@@ -24,10 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import RNG_STATE_NAME
+from lightning_accel.utils.file_writes import torch_save
 
 __all__ = ["ResumableLoader", "loader_positions", "restore_loaders", "save_loader_states", "state_file_name"]
 
@@ -69,7 +68,7 @@ def save_loader_states(loaders: Sequence[ResumableLoader], target: Path) -> None
     """Write the state of every stateful loader as ``dl_state_dict{_i}.bin`` into ``target`` (one process calls it)."""
     for index, loader in enumerate(loaders):
         if loader.use_stateful_dataloader:
-            torch.save(loader.state_dict(), target / state_file_name(index))
+            torch_save(loader.state_dict(), target / state_file_name(index))
 
 
 def loader_positions(loaders: Sequence[ResumableLoader]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from lightning_accel.utils.constants import (
     SCHEDULER_NAME,
     WEIGHTS_NAME,
 )
+from lightning_accel.utils.file_writes import safetensors_save, torch_save
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 from lightning_accel.utils.other import load
 from lightning_accel.utils.random import get_rng_states, set_rng_states
@@ -210,7 +211,7 @@ def write_shared_files(
     _write_state_dicts(schedulers, target, SCHEDULER_NAME)
     _write_loader_files(dataloaders, target, sampler_of)
     if scaler is not None:
-        torch.save(scaler.state_dict(), target / SCALER_NAME)
+        torch_save(scaler.state_dict(), target / SCALER_NAME)
 
 
 def write_process_states(
@@ -220,32 +221,30 @@ def write_process_states(
 
     ``loader_record`` (:func:`~lightning_accel.checkpoint.loader_states.loader_positions`) adds keys Accelerate ignores.
     """
-    torch.save({**get_rng_states(step), **(loader_record or {})}, _process_file(folder, process_index))
+    torch_save({**get_rng_states(step), **(loader_record or {})}, _process_file(folder, process_index))
 
 
 def _write_weights(states: Sequence[Mapping[str, Any]], target: Path, safe_serialization: bool) -> None:
     for i, state in enumerate(states):
         if safe_serialization:
-            from safetensors.torch import save_file
-
             tensors = {key: value.detach().cpu().contiguous() for key, value in without_shared_storage(state).items()}
-            save_file(tensors, target / indexed(SAFE_WEIGHTS_NAME, i), metadata={"format": "pt"})
+            safetensors_save(tensors, target / indexed(SAFE_WEIGHTS_NAME, i))
         else:
-            torch.save(state, target / indexed(WEIGHTS_NAME, i))
+            torch_save(state, target / indexed(WEIGHTS_NAME, i))
 
 
 def _write_state_dicts(objects: Sequence[Stateful], target: Path, stem: str) -> None:
     for i, obj in enumerate(objects):
-        torch.save(obj.state_dict(), target / indexed(f"{stem}.bin", i))
+        torch_save(obj.state_dict(), target / indexed(f"{stem}.bin", i))
 
 
 def _write_loader_files(dataloaders: Sequence[Any], target: Path, sampler_of: SamplerOf) -> None:
     for i, dataloader in enumerate(dataloaders):
         sampler = sampler_of(dataloader)
         if sampler is not None:
-            torch.save(sampler, target / indexed(f"{SAMPLER_NAME}.bin", i))
+            torch_save(sampler, target / indexed(f"{SAMPLER_NAME}.bin", i))
         if getattr(dataloader, "use_stateful_dataloader", False):
-            torch.save(dataloader.state_dict(), target / state_file_name(i))
+            torch_save(dataloader.state_dict(), target / state_file_name(i))
 
 
 # --- reading -------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lightning_accel.utils.constants import MODEL_NAME, SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME
+from lightning_accel.utils.file_writes import safetensors_save, torch_save
 
 __all__ = ["match_wrapper_prefix", "save_model", "shard_state_dict", "without_shared_storage"]
 
@@ -140,11 +141,9 @@ def _write_shard(
     """Write one shard under a temporary name in ``directory``; returns that name and the final one."""
     temporary = directory / f".{filename}.partial"
     if safe_serialization:
-        from safetensors.torch import save_file
-
-        save_file({k: v.detach().cpu().contiguous() for k, v in shard.items()}, temporary, {"format": "pt"})
+        safetensors_save({k: v.detach().cpu().contiguous() for k, v in shard.items()}, temporary)
     else:
-        torch.save(dict(shard), temporary)
+        torch_save(dict(shard), temporary)
     return temporary, directory / filename
 
 

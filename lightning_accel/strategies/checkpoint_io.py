@@ -1,9 +1,11 @@
-"""The checkpoint I/O the ``acc_*`` strategies read files with unless given another: torch's, naming failed files.
+"""The checkpoint I/O the ``acc_*`` strategies use unless given another: torch's, naming failed files.
 
 Lightning's ``TorchCheckpointIO`` lets torch's error through when a checkpoint file is truncated or corrupt
 (``PytorchStreamReader failed reading zip archive``), which does not say which file; this one names it. A local file
 is read through :func:`lightning_accel.utils.other.load`: weights-only unless ``weights_only=False`` (which warns
-naming the file), and a refusal names the file and the opt-in.
+naming the file), and a refusal names the file and the opt-in. A write that meets a full disk, the file size limit or
+a quota raises :class:`~lightning_accel.utils.file_writes.CheckpointWriteError` naming the file, not torch's
+``unexpected pos``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_accel.utils.file_writes import writing
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 from lightning_accel.utils.other import load
 
@@ -28,6 +31,17 @@ def resolve_weights_only(weights_only: bool | None) -> bool:
 
 class NamingTorchCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose reads are weights-only by default and raise ``ValueError`` naming a bad file."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` as Lightning's does.
+
+        Raises:
+            CheckpointWriteError: (an ``OSError``) On a full disk, the file size limit or a quota, naming the file.
+
+        """
+        with writing(Path(path)):
+            super().save_checkpoint(checkpoint, path, storage_options)
 
     @override
     def load_checkpoint(

@@ -28,6 +28,7 @@ from lightning_accel.strategies.ddp_core import ProcessGroupOptions
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
 from lightning_accel.strategies.lightning_arguments import StartMethod
 from lightning_accel.strategies.precision_adoption import strategy_precision
+from lightning_accel.utils.file_writes import torch_save
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
 from lightning_accel.utils.modeling.checkpoint import (
     METADATA_FILENAME,
@@ -188,7 +189,7 @@ class FSDPFamily:
         path.mkdir(parents=True, exist_ok=True)
         dcp.save({k: v for k, v in state.items() if k in keys}, checkpoint_id=path)
         if is_global_zero:
-            torch.save({k: v for k, v in state.items() if k not in keys}, path / METADATA_FILENAME)
+            torch_save({k: v for k, v in state.items() if k not in keys}, path / METADATA_FILENAME)
 
     def load_into(
         self, path: Path, state: dict[str, Any], model: Module, strict: bool = True, *, weights_only: bool = True

@@ -26,6 +26,7 @@ from packaging.version import Version
 
 from lightning_accel.logging import get_logger
 from lightning_accel.state import PartialState
+from lightning_accel.utils.file_writes import safetensors_save, torch_save
 
 __all__ = [
     "TORCH_SAFE_GLOBALS",
@@ -77,17 +78,15 @@ def save(
     if not (state.is_local_main_process if save_on_each_node else state.is_main_process):
         return
     if not safe_serialization:
-        torch.save(obj, f)
+        torch_save(obj, f)
         return
     if not (isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())):
         raise TypeError(
             f"safe_serialization=True saves a dict of tensors, got {type(obj).__name__}; pass"
             " safe_serialization=False to pickle other objects."
         )
-    from safetensors.torch import save_file
-
     tensors = _without_aliases(obj)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.fspath(f), metadata={"format": "pt"})
+    safetensors_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, f)
 
 
 def _without_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
