@@ -122,6 +122,19 @@ def has_module(name: str) -> bool:
     return (not parent or has_module(parent)) and importlib.util.find_spec(name) is not None
 
 
+def accelerates_files(ours: list[str]) -> list[str]:
+    """The names of a ``save_state`` folder of ours that HF accelerate writes too: all but our manifest.
+
+    Raises:
+        AssertionError: If ``ours`` has no ``checkpoint_manifest.json`` (``save_state`` writes one in every folder).
+
+    """
+    from lightning_accel.checkpoint.manifest import MANIFEST_NAME
+
+    assert MANIFEST_NAME in ours, f"no {MANIFEST_NAME} among {ours}"
+    return [name for name in ours if name != MANIFEST_NAME]
+
+
 def load_rank_results(out: Path) -> dict[str, list[dict[str, Any]]]:
     """Read the ``{variant}_rank{r}.pt`` files a multi-process test script saved: variant -> one result per rank."""
     import torch

@@ -35,6 +35,7 @@ from lightning_accel.checkpoint.folders import (
     stage,
 )
 from lightning_accel.checkpoint.loader_states import loader_positions, save_loader_states
+from lightning_accel.checkpoint.manifest import verify_manifest, write_manifest
 from lightning_accel.checkpoint.node_copies import complete_on_each_node
 from lightning_accel.checkpointing import accelerate_sampler, save_custom_state, shard_state_dict
 from lightning_accel.checkpointing import save_model as write_model_files
@@ -248,6 +249,7 @@ class Checkpoints:
             with abandon_on_error(target.temporary):
                 self._write_shared_files(target.temporary, None, safe_serialization)
                 self._write_process_states(target.temporary, step)
+                write_manifest(target.temporary)
             publish(target)
         else:
             stage(
@@ -285,7 +287,7 @@ class Checkpoints:
         config.iteration += 1
         if config.save_on_each_node:  # node-local disks: each node gets the files (shards, metadata) it lacks
             complete_on_each_node(target.temporary, node_manager=self._state.is_local_main_process, what="save_state")
-        self._on_disk_managers(lambda: publish(target), "save_state (publishing the checkpoint)")
+        self._on_disk_managers(lambda: _publish_with_manifest(target), "save_state (publishing the checkpoint)")
         self._write_own_folder(output_dir, target.final, step)
         if config.automatic_checkpoint_naming:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
@@ -400,6 +402,7 @@ class Checkpoints:
             require_every_process("load_state", self._why_collective(), self._timeout)
         config = self._project
         source = state_files.latest_source(config, input_dir)
+        verify_manifest(source)
         models = list(self._prepared.models) if engine is None else []  # an engine loads its models itself
         user_models = [model.module for model in models]
         for hook in list(self._load_pre_hooks.values()):
@@ -439,6 +442,14 @@ class Checkpoints:
         if not config.automatic_checkpoint_naming or config.project_dir is None:
             return True  # nothing to look for: load_state raises naming what is missing
         return bool(numbered_checkpoints(Path(config.project_dir) / "checkpoints"))
+
+
+def _publish_with_manifest(target: SaveTarget) -> None:
+    """Record the folder's files in its manifest, then publish it (a no-op where another process published it)."""
+    if target.temporary.is_dir():
+        with abandon_on_error(target.temporary):
+            write_manifest(target.temporary)
+    publish(target)
 
 
 def _weights_only(weights_only: bool | None, load_kwargs: dict[str, Any]) -> bool:

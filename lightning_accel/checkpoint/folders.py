@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_accel.state.shared_errors import run_where
-from lightning_accel.utils.file_writes import write_error
+from lightning_accel.utils.other import write_error
 
 __all__ = [
     "SaveTarget",
@@ -121,7 +121,7 @@ def abandon_on_error(folder: Path) -> Iterator[None]:
     """Remove ``folder`` (a save's temporary folder) when its writing fails, and re-raise.
 
     A full disk, the file size limit or a quota is raised as
-    :class:`~lightning_accel.utils.file_writes.CheckpointWriteError` naming the file written last; the checkpoints
+    :class:`~lightning_accel.utils.other.CheckpointWriteError` naming the file written last; the checkpoints
     already published stay what resume and rotation see.
     """
     try:

@@ -51,11 +51,10 @@ from lightning_accel.checkpoint.engines import (
 from lightning_accel.checkpoint.fsdp_policy import FSDPSettings, fsdp_settings, state_dict_options
 from lightning_accel.logging import get_logger
 from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
-from lightning_accel.utils.file_writes import torch_save
 from lightning_accel.utils.modeling import is_peft_model
 from lightning_accel.utils.modeling.checkpoint import contained_reader, read_checkpoint_file, weights_only_planner
 from lightning_accel.utils.operations import _is_main_process, _process_rank
-from lightning_accel.utils.other import load
+from lightning_accel.utils.other import load, torch_save
 
 __all__ = [
     "FSDPCall",

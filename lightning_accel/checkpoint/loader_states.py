@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from lightning_accel.state import PartialState
 from lightning_accel.utils.constants import RNG_STATE_NAME
-from lightning_accel.utils.file_writes import torch_save
+from lightning_accel.utils.other import torch_save
 
 __all__ = ["ResumableLoader", "loader_positions", "restore_loaders", "save_loader_states", "state_file_name"]
 

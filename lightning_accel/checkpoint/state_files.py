@@ -35,9 +35,8 @@ from lightning_accel.utils.constants import (
     SCHEDULER_NAME,
     WEIGHTS_NAME,
 )
-from lightning_accel.utils.file_writes import safetensors_save, torch_save
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
-from lightning_accel.utils.other import load
+from lightning_accel.utils.other import load, safetensors_save, torch_save
 from lightning_accel.utils.random import get_rng_states, set_rng_states
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lightning_accel.utils.constants import MODEL_NAME, SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME
-from lightning_accel.utils.file_writes import safetensors_save, torch_save
+from lightning_accel.utils.other import safetensors_save, torch_save
 
 __all__ = ["match_wrapper_prefix", "save_model", "shard_state_dict", "without_shared_storage"]
 

@@ -4,7 +4,7 @@ Lightning's ``TorchCheckpointIO`` lets torch's error through when a checkpoint f
 (``PytorchStreamReader failed reading zip archive``), which does not say which file; this one names it. A local file
 is read through :func:`lightning_accel.utils.other.load`: weights-only unless ``weights_only=False`` (which warns
 naming the file), and a refusal names the file and the opt-in. A write that meets a full disk, the file size limit or
-a quota raises :class:`~lightning_accel.utils.file_writes.CheckpointWriteError` naming the file, not torch's
+a quota raises :class:`~lightning_accel.utils.other.CheckpointWriteError` naming the file, not torch's
 ``unexpected pos``.
 """
 
@@ -17,9 +17,8 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_accel.utils.file_writes import writing
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
-from lightning_accel.utils.other import load
+from lightning_accel.utils.other import load, writing
 
 __all__ = ["NamingTorchCheckpointIO", "resolve_weights_only"]
 

@@ -28,7 +28,6 @@ from lightning_accel.strategies.ddp_core import ProcessGroupOptions
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
 from lightning_accel.strategies.lightning_arguments import StartMethod
 from lightning_accel.strategies.precision_adoption import strategy_precision
-from lightning_accel.utils.file_writes import torch_save
 from lightning_accel.utils.fsdp_utils import apply_ac, apply_fsdp2
 from lightning_accel.utils.modeling.checkpoint import (
     METADATA_FILENAME,
@@ -37,7 +36,7 @@ from lightning_accel.utils.modeling.checkpoint import (
     read_checkpoint_file,
     weights_only_planner,
 )
-from lightning_accel.utils.other import load
+from lightning_accel.utils.other import load, torch_save
 
 _MODEL_KEY = "state_dict"
 _OPTIMIZER_PREFIX = "optimizer_"

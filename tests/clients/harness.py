@@ -142,6 +142,19 @@ def load_result(work: Path, side: str, run: str) -> dict[str, Any]:
     return torch.load(work / side / run / "result.pt", weights_only=False)
 
 
+def checkpoint_files(folder: Path) -> list[str]:
+    """The files under a checkpoint ``folder`` (relative paths) that both sides write.
+
+    ``save_state`` of ours adds ``checkpoint_manifest.json`` (sizes and sha256 of the files, checked on load), which
+    HF accelerate has no counterpart of; every other file must match.
+    """
+    return sorted(
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != "checkpoint_manifest.json"
+    )
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     if a.keys() != b.keys():
         raise ValueError(f"different weight names: {sorted(set(a) ^ set(b))[:4]}")

@@ -141,7 +141,10 @@ def hf_load(accelerator: Accelerator, variant: str, model: Any, optimizer: Any, 
 
 
 def model_files(checkpoint: Path) -> list[Path]:
-    """What the engine wrote: everything but the files the shim writes for every run."""
+    """What the engine wrote, and the manifest: everything but the files the shim writes for every run.
+
+    The manifest goes with the engine's files, since a folder that mixes in HF's files is not what was saved.
+    """
     common = ("scheduler", "random_states_")
     return [p for p in checkpoint.iterdir() if not p.name.startswith(common)]
 

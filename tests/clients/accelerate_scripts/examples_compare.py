@@ -17,6 +17,10 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))
+
+from tests.clients.harness import checkpoint_files  # noqa: E402  (the repository root is put on the path above)
+
 EXAMPLE = HERE / "examples" / "bert_example.py"
 FIRST = ["nlp", "accumulate", "checkpoint", "no_sync"]
 SIDES = ("hf", "ours")
@@ -68,10 +72,6 @@ def _compare(a: Any, b: Any) -> tuple[bool, str]:
     return same and accuracy_a == accuracy_b, detail
 
 
-def _files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-
-
 def compare_examples(
     work: Path,
     only: str,
@@ -89,7 +89,7 @@ def compare_examples(
         ok, detail = _compare(runs["hf"][mode], runs["ours"][mode])
         rows.append(scenario(f"examples::{mode}", "bit-identical", ok=ok, detail=detail))
     step = "checkpoints/step_3"
-    hf_files, our_files = (_files(runs[side]["folder"] / step) for side in SIDES)
+    hf_files, our_files = (checkpoint_files(runs[side]["folder"] / step) for side in SIDES)
     rows.append(
         scenario(
             "examples::checkpoint_files",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.clients.harness import Check, Client, Outcomes, Run, Scenario, main, max_diff
+from tests.clients.harness import Check, Client, Outcomes, Run, Scenario, checkpoint_files, main, max_diff
 
 HERE = Path(__file__).resolve().parent
 PATCH = ("from torchvision import transforms\n", "from torchvision_standin import transforms\n")
@@ -98,11 +98,8 @@ def scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
     return values
 
 
-def checkpoint_files(folder: Path) -> dict[str, list[str]]:
-    return {
-        c.name: sorted(str(p.relative_to(c)) for p in c.rglob("*") if p.is_file())
-        for c in sorted(folder.glob("checkpoint-*"))
-    }
+def checkpoint_folders(folder: Path) -> dict[str, list[str]]:
+    return {c.name: checkpoint_files(c) for c in sorted(folder.glob("checkpoint-*"))}
 
 
 def same_run(run: str) -> Check:
@@ -115,7 +112,7 @@ def same_run(run: str) -> Check:
         weights = [load_file(side / "unet" / "diffusion_pytorch_model.safetensors") for side in (ours, hf)]
         diff = max_diff(*weights)
         losses = [scalars(side, tag) for side in (ours, hf)]
-        files = [checkpoint_files(side) for side in (ours, hf)]
+        files = [checkpoint_folders(side) for side in (ours, hf)]
         steps = [max((step for step, _ in side), default=0) for side in losses]
         ok = diff == 0 and losses[0] == losses[1] and files[0] == files[1] and losses[0] != []
         detail = f"unet max abs diff {diff:.3g}, {len(losses[0])}/{len(losses[1])} losses"

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import lightning_accel
+from lightning_accel.checkpoint.manifest import MANIFEST_NAME
 from tests.helpers import reset_accelerator_states
 
 
@@ -30,7 +31,9 @@ def test_prepare_of_a_prepared_module_returns_its_wrapper_and_save_state_writes_
     """HF accelerate 1.15 returns the module it marked as prepared; in one process that is the module itself."""
     ours = _prepare_twice_and_save(lightning_accel, tmp_path / "ours")
     theirs = _prepare_twice_and_save(accelerate, tmp_path / "theirs")
-    assert ours == theirs == (True, ["model.safetensors", "optimizer.bin", "random_states_0.pkl"])
+    files = ["model.safetensors", "optimizer.bin", "random_states_0.pkl"]
+    assert ours == (True, [MANIFEST_NAME, *files])  # ours adds the manifest (lightning_accel.checkpoint.manifest)
+    assert theirs == (True, files)
 
 
 def test_the_reprepared_model_trains_once_per_step() -> None:

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import Accelerator
+from lightning_accel.checkpoint.manifest import MANIFEST_NAME
 from lightning_accel.utils import set_seed
 from tests.helpers import REPO, reset_accelerator_states, run_python, torchrun
 
@@ -83,6 +84,7 @@ def test_a_resume_position_past_the_loader_end_is_refused_naming_it_the_length_a
     accelerator, _, data = _one_process_run(batches=4)
     _save_at(accelerator, data, (0, 2), tmp_path / "short")
     shutil.copy(tmp_path / "long" / "random_states_0.pkl", tmp_path / "short" / "random_states_0.pkl")
+    (tmp_path / "short" / MANIFEST_NAME).unlink()  # else the manifest refuses the copied file first
     file = tmp_path / "short" / "random_states_0.pkl"
     refused = rf"{file} resumes data loader 0 at batch 6 of its epoch, but the loader has 4 batches per epoch "
     refused += r"\(the run that saved had 8\), so the epoch would yield nothing"

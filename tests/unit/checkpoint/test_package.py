@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_accel.checkpoint.manifest import MANIFEST_NAME
+
 PACKAGE = Path(__file__).resolve().parents[3] / "lightning_accel"
 
 
@@ -75,8 +77,8 @@ def test_save_state_and_save_accelerator_state_write_the_same_files(tmp_path: Pa
 
     by_accelerator, by_function = _run(tmp_path)
     names = sorted(p.name for p in by_accelerator.iterdir())
-    assert names == sorted(p.name for p in by_function.iterdir())
-    assert names == ["model.safetensors", "optimizer.bin", "random_states_0.pkl", "scheduler.bin"]
+    assert names == sorted([MANIFEST_NAME, *(p.name for p in by_function.iterdir())])  # Accelerate's function: none
+    assert names == [MANIFEST_NAME, "model.safetensors", "optimizer.bin", "random_states_0.pkl", "scheduler.bin"]
     ours, theirs = load_file(by_accelerator / "model.safetensors"), load_file(by_function / "model.safetensors")
     assert ours.keys() == theirs.keys()
     for key in ours:

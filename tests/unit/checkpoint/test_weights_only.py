@@ -22,6 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 from lightning_accel.big_modeling import load_checkpoint_and_dispatch
 from lightning_accel.checkpoint.engines import DeepSpeedCheckpoint
 from lightning_accel.checkpoint.fsdp_layout import FSDPCheckpoint
+from lightning_accel.checkpoint.manifest import MANIFEST_NAME
 from lightning_accel.checkpoint.state_files import load_custom_file, load_loader_files, load_samplers, load_state_dicts
 from lightning_accel.checkpointing import load_custom_state
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
@@ -70,10 +71,15 @@ def _refusal(path: Path) -> str:
 
 
 def _plant(path: Path, content: Any = None) -> Path:
-    """Write a pickle at ``path`` that creates ``<path>.ran`` when unpickled and then returns ``content``."""
+    """Write a pickle at ``path`` that creates ``<path>.ran`` when unpickled and then returns ``content``.
+
+    The attacker rewrites the folder's manifest too (it is no signature), here by removing it: what is tested is that
+    nothing runs even when the files look as saved.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     marker = path.with_name(path.name + ".ran")
     torch.save(_Planted(marker, {"count": 1} if content is None else content), path)
+    (path.parent / MANIFEST_NAME).unlink(missing_ok=True)
     return marker
 
 

@@ -21,7 +21,7 @@ from lightning_accel import Accelerator
 from lightning_accel.checkpoint.folders import abandon_on_error, numbered_checkpoints
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.utils import ProjectConfiguration
-from lightning_accel.utils.file_writes import CheckpointWriteError
+from lightning_accel.utils.other import CheckpointWriteError
 
 LIMIT = 16_384  # bytes: the weights below (64 KiB) do not fit, the first save is made before the limit
 
