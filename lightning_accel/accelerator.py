@@ -1083,6 +1083,8 @@ class Accelerator:
         self,
         output_dir: str | os.PathLike[str] | None = None,
         safe_serialization: bool = True,
+        *,
+        async_save: bool = False,
         **save_model_func_kwargs: Any,
     ) -> str:
         """Save models, optimizers, schedulers, RNG states and registered objects with Accelerate's file names.
@@ -1105,10 +1107,25 @@ class Accelerator:
         process only), so every node's folder is a whole checkpoint; see :mod:`lightning_accel.checkpoint.node_copies`.
         A process that names another ``output_dir`` than the main process's gets its own random states and loader
         states there, as Accelerate has every process write them.
+
+        With ``async_save=True`` (not in Accelerate) the call returns once the state is copied into host memory; a
+        thread writes the files and the folder is published when they are complete (where every process saved
+        together, by the next :meth:`wait_for_checkpoint`, which ``save_state``, ``load_state`` and ``end_training``
+        call first). Training may go on meanwhile: the files hold the state at the call. An error in the background
+        is raised by that next call; a save killed in the background is never loaded or rotated. Not under FSDP and
+        DeepSpeed, whose engines write their own files.
         """
         return self._checkpoints.save_state(
-            output_dir, safe_serialization, step=self.step, engine_kwargs=save_model_func_kwargs
+            output_dir, safe_serialization, step=self.step, async_save=async_save, engine_kwargs=save_model_func_kwargs
         )
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the pending ``save_state(async_save=True)`` is written and published (not in Accelerate).
+
+        Raises what went wrong in the background (a full disk, say). ``save_state``, ``load_state`` and
+        ``end_training`` call it first. Collective where the save was (automatic naming: every process saved).
+        """
+        self._checkpoints.wait_for_checkpoint()
 
     @overload
     def load_state(
@@ -1279,7 +1296,11 @@ class Accelerator:
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish the run: close the trackers, destroy the process group (not one a ``debug_launcher`` owns)."""
+        """Finish the run: finish a background save, close the trackers, destroy the process group.
+
+        A process group that a ``debug_launcher`` owns is left to it.
+        """
+        self._checkpoints.wait_for_checkpoint()
         self._trackers.finish()
         self.state.destroy_process_group()
 

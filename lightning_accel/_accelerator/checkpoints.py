@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
@@ -23,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_accel._accelerator.module import AcceleratedModule
 from lightning_accel._accelerator.prepared import PreparedObjects
 from lightning_accel.checkpoint import state_files
+from lightning_accel.checkpoint.background import BackgroundSave, host_copy
 from lightning_accel.checkpoint.engines import EngineCheckpoint
 from lightning_accel.checkpoint.folders import (
     SaveTarget,
@@ -108,6 +110,60 @@ def _is_positive_size(size: object) -> bool:
     return size > 0 if isinstance(size, int) else float(size.strip()[:-2]) > 0
 
 
+@dataclass
+class _Taken:
+    """A ``state_dict()`` taken at ``save_state``'s call, behind the ``state_dict()`` the file writers call."""
+
+    state: Any
+    __qualname__: str  # the original's class, for the writers' log lines
+
+    @classmethod
+    def of(cls, obj: Any) -> _Taken:
+        return cls(obj.state_dict(), type(obj).__qualname__)
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state_dict: Any, /) -> None:
+        raise TypeError("a state taken for a checkpoint is written, never loaded into")
+
+
+@dataclass
+class _LoaderState:
+    """A prepared loader as the writers see it at ``save_state``'s call: Accelerate's sampler, its stateful state."""
+
+    sampler: Any
+    use_stateful_dataloader: bool
+    state: Any
+
+    @classmethod
+    def of(cls, loader: Any) -> _LoaderState:
+        stateful = bool(getattr(loader, "use_stateful_dataloader", False))
+        return cls(accelerate_sampler(loader), stateful, loader.state_dict() if stateful else None)
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    @staticmethod
+    def accelerate_sampler(taken: _LoaderState) -> Any:
+        return taken.sampler
+
+
+@dataclass
+class _Staged:
+    """What one process writes into a save's folder, taken at the call (see ``Checkpoints._stage``)."""
+
+    shared: bool  # whether this process writes the shared files (weights, optimizers, ...)
+    weights: list[dict[str, Any]]
+    optimizers: list[_Taken]
+    schedulers: list[_Taken]
+    loaders: list[_LoaderState]
+    scaler: _Taken | None
+    custom: list[_Taken]
+    process_index: int
+    record: dict[str, Any]  # random_states_<i>.pkl
+
+
 class Checkpoints:
     """Accelerate's checkpoint calls for the ``Accelerator``: registered objects and hooks, state dicts, the folders.
 
@@ -146,6 +202,7 @@ class Checkpoints:
         # OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict refuses.
         self._save_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._pending: BackgroundSave | None = None
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Add ``objects`` to what ``save_state`` saves (see ``Accelerator.register_for_checkpointing``)."""
@@ -225,20 +282,37 @@ class Checkpoints:
         safe_serialization: bool,
         *,
         step: int,
+        async_save: bool,
         engine_kwargs: dict[str, Any],
     ) -> str:
         """Write the checkpoint folder (see :meth:`lightning_accel.Accelerator.save_state`); returns its path.
 
-        ``step`` is the ``Accelerator``'s micro-step counter, saved with this process's random states.
+        ``step`` is the ``Accelerator``'s micro-step counter, saved with this process's random states. With
+        ``async_save`` the state is copied into host memory and written by a thread (see
+        :mod:`lightning_accel.checkpoint.background`); a save still pending is finished first.
         """
+        self.wait_for_checkpoint()
         engine = self._engine(engine_kwargs)
+        if async_save and engine is not None:
+            raise ValueError(
+                f"save_state(async_save=True) is not available under {self._state.distributed_type}, whose engine"
+                " writes its own sharded files: save with async_save=False."
+            )
         if engine is None and not self._project.automatic_checkpoint_naming:
-            return self._save_alone(output_dir, safe_serialization, step)
+            return self._save_alone(output_dir, safe_serialization, step, async_save)
         why = self._why_collective() if engine is not None else "automatic naming counts the saves of every process"
         require_every_process("save_state", why, self._timeout)
-        return self._save_together(engine, output_dir, safe_serialization, step, engine_kwargs)
+        return self._save_together(engine, output_dir, safe_serialization, step, async_save, engine_kwargs)
 
-    def _save_alone(self, output_dir: str | os.PathLike[str] | None, safe_serialization: bool, step: int) -> str:
+    def wait_for_checkpoint(self) -> None:
+        """Finish the pending background save, if any: publish it (collective where it was) or raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
+
+    def _save_alone(
+        self, output_dir: str | os.PathLike[str] | None, safe_serialization: bool, step: int, background: bool
+    ) -> str:
         """``save_state`` without a collective: the publisher writes and publishes, the others stage their files."""
         config = self._project
         publisher = self._state.is_local_main_process if config.save_on_each_node else self._state.is_main_process
@@ -246,18 +320,27 @@ class Checkpoints:
         target = SaveTarget(final, publisher=0 if self._state.is_main_process else self._state.process_index)
         if publisher:
             remove_stale(target)
-            with abandon_on_error(target.temporary):
-                self._write_shared_files(target.temporary, None, safe_serialization)
-                self._write_process_states(target.temporary, step)
-                write_manifest(target.temporary)
-            publish(target)
+            target.temporary.mkdir(parents=True, exist_ok=True)
+        staged = self._stage(target.temporary, None, step, shared=publisher, background=background)
+        if publisher:
+
+            def write() -> None:
+                with abandon_on_error(target.temporary):
+                    self._write_staged(target.temporary, staged, safe_serialization)
+                    write_manifest(target.temporary)
+
+            self._run(write, lambda: publish(target), background=background, together=False, what=str(final))
         else:
-            stage(
-                target,
-                self._state.process_index,
-                own=lambda folder: self._write_process_states(folder, step),
-                defaults=lambda folder: save_loader_states(self._prepared.dataloaders, folder),
-            )
+
+            def write() -> None:
+                stage(
+                    target,
+                    self._state.process_index,
+                    own=lambda folder: self._write_staged(folder, staged, safe_serialization),
+                    defaults=lambda folder: save_loader_states(staged.loaders, folder),
+                )
+
+            self._run(write, lambda: None, background=background, together=False, what=str(final))
         config.iteration += 1
         return str(final)
 
@@ -267,6 +350,7 @@ class Checkpoints:
         output_dir: str | os.PathLike[str] | None,
         safe_serialization: bool,
         step: int,
+        background: bool,
         engine_kwargs: dict[str, Any],
     ) -> str:
         """``save_state`` on every process: the main process chooses the folder, every one writes, it is published."""
@@ -281,56 +365,93 @@ class Checkpoints:
         raise_on_every_process(chosen[1], "save_state")  # the broadcast already reached every process
         target = SaveTarget(Path(chosen[0]))
         self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
-        with abandon_on_error(target.temporary):
-            self._write_together(target.temporary, engine, safe_serialization, step, engine_kwargs)
-        self._state.wait_for_everyone()
-        config.iteration += 1
+        target.temporary.mkdir(parents=True, exist_ok=True)
+        if engine is not None:
+            with abandon_on_error(target.temporary):
+                engine.save(self._prepared.models, self._prepared.optimizers, target.temporary, **engine_kwargs)
+            self._state.wait_for_everyone()
+        writer = self._state.is_local_main_process if config.save_on_each_node else self._state.is_main_process
+        staged = self._stage(target.temporary, engine, step, shared=writer, background=background)
+
+        def write() -> None:
+            with abandon_on_error(target.temporary):
+                self._write_staged(target.temporary, staged, safe_serialization)
+
+        self._run(
+            write, lambda: self._publish_together(target), background=background, together=True, what=str(target.final)
+        )
+        config.iteration += 1  # a background save counts at the call: the next one gets the next name
+        self._write_own_folder(output_dir, target.final, step)
+        return str(target.final)
+
+    def _publish_together(self, target: SaveTarget) -> None:
+        """Every process: give a folder that every process wrote its name (each node's), then rotate."""
+        config = self._project
         if config.save_on_each_node:  # node-local disks: each node gets the files (shards, metadata) it lacks
             complete_on_each_node(target.temporary, node_manager=self._state.is_local_main_process, what="save_state")
         self._on_disk_managers(lambda: _publish_with_manifest(target), "save_state (publishing the checkpoint)")
-        self._write_own_folder(output_dir, target.final, step)
         if config.automatic_checkpoint_naming:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
-        return str(target.final)
 
-    def _write_together(
-        self,
-        folder: Path,
-        engine: EngineCheckpoint | None,
-        safe_serialization: bool,
-        step: int,
-        engine_kwargs: dict[str, Any],
+    def _run(
+        self, write: Callable[[], None], publish: Callable[[], None], *, background: bool, together: bool, what: str
     ) -> None:
-        """Every process's part of a collective save: the engine's files, the shared files, the random states."""
-        folder.mkdir(parents=True, exist_ok=True)
-        if engine is not None:
-            engine.save(self._prepared.models, self._prepared.optimizers, folder, **engine_kwargs)
-            self._state.wait_for_everyone()
-        writer = self._state.is_local_main_process if self._project.save_on_each_node else self._state.is_main_process
-        if writer:
-            self._write_shared_files(folder, engine, safe_serialization)
-        self._write_process_states(folder, step)
+        """Write then publish now, or leave both to a :class:`BackgroundSave` (publishing in it unless ``together``).
 
-    def _write_shared_files(self, folder: Path, engine: EngineCheckpoint | None, safe_serialization: bool) -> None:
-        """The files one process writes: the weights and optimizers (unless an engine wrote them), the rest."""
-        folder.mkdir(parents=True, exist_ok=True)
-        # The users' modules, without the strategy's wrapper; an engine saved its own (hooks get none).
-        weights = [model.state_dict() for model in self._prepared.models] if engine is None else []
-        user_models = [model.module for model in self._prepared.models]  # hooks see the users' modules, as Accelerate's
-        for hook in list(self._save_pre_hooks.values()):
-            hook(user_models, weights, str(folder))  # a hook may pop entries to save them its own way
-        state_files.write_shared_files(
-            folder,
-            weights,
-            self._prepared.optimizers if engine is None else [],
-            self._prepared.schedulers,
-            self._prepared.dataloaders,
-            self._precision.scaler,
-            safe_serialization,
-            accelerate_sampler,
+        A save made ``together`` waits for every process before it is published.
+        """
+        if background:
+            self._pending = BackgroundSave(write, publish, together=together, what=what)
+            return
+        write()
+        if together:
+            self._state.wait_for_everyone()
+        publish()
+
+    def _stage(
+        self, folder: Path, engine: EngineCheckpoint | None, step: int, *, shared: bool, background: bool
+    ) -> _Staged:
+        """What this process writes, taken now: the shared files' states where ``shared``, its random states.
+
+        The save pre-hooks run here (they get the folder, and may pop weights to save them their own way). With
+        ``background`` every state is copied into host memory, so that training may go on changing the originals.
+        """
+        weights: list[dict[str, Any]] = []
+        if shared:
+            # The users' modules, without the strategy's wrapper; an engine saved its own (hooks get none).
+            weights = [model.state_dict() for model in self._prepared.models] if engine is None else []
+            user_models = [model.module for model in self._prepared.models]  # as Accelerate's hooks see them
+            for hook in list(self._save_pre_hooks.values()):
+                hook(user_models, weights, str(folder))
+        staged = _Staged(
+            shared=shared,
+            weights=weights,
+            optimizers=[_Taken.of(o) for o in self._prepared.optimizers] if shared and engine is None else [],
+            schedulers=[_Taken.of(s) for s in self._prepared.schedulers] if shared else [],
+            loaders=[_LoaderState.of(loader) for loader in self._prepared.dataloaders],
+            scaler=_Taken.of(self._precision.scaler) if shared and self._precision.scaler is not None else None,
+            custom=[_Taken.of(o) for o in self._prepared.custom_objects] if shared else [],
+            process_index=self._state.process_index,
+            record=state_files.process_record(step, loader_positions(self._prepared.dataloaders)),
         )
-        for i, obj in enumerate(self._prepared.custom_objects):
-            save_custom_state(obj, folder, i, self._project.save_on_each_node)
+        return host_copy(staged) if background else staged
+
+    def _write_staged(self, folder: Path, staged: _Staged, safe_serialization: bool) -> None:
+        """Write what :meth:`_stage` took: the shared files (where this process writes them), its random states."""
+        if staged.shared:
+            state_files.write_shared_files(
+                folder,
+                staged.weights,
+                staged.optimizers,
+                staged.schedulers,
+                staged.loaders,
+                staged.scaler,
+                safe_serialization,
+                _LoaderState.accelerate_sampler,
+            )
+            for i, obj in enumerate(staged.custom):
+                save_custom_state(obj, folder, i, self._project.save_on_each_node)
+        state_files.write_process_record(folder, staged.process_index, staged.record)
 
     def _write_process_states(self, folder: Path, step: int) -> None:
         positions = loader_positions(self._prepared.dataloaders)
@@ -393,6 +514,7 @@ class Checkpoints:
             nothing to load.
 
         """
+        self.wait_for_checkpoint()
         if missing_ok and not self._has_checkpoint(input_dir):
             return None
         extra = dict(load_kwargs or {})

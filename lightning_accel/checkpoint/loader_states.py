@@ -37,6 +37,19 @@ _LENGTHS = "dataloader_lengths"  # batches per epoch on each process, when saved
 _NUM_PROCESSES = "num_processes"  # processes of the run that saved
 
 
+class SavedLoader(Protocol):
+    """What a checkpoint writes of a data loader: its state, where it is stateful."""
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        """Whether the loader is a ``torchdata`` ``StatefulDataLoader`` whose state is saved."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stateful loader's state (with ``use_stateful_dataloader``)."""
+        ...
+
+
 class ResumableLoader(Protocol):
     """What a checkpoint reads and sets on a prepared data loader (the shim's ``DataLoaderShard``)."""
 
@@ -64,7 +77,7 @@ def state_file_name(index: int) -> str:
     return "dl_state_dict.bin" if index == 0 else f"dl_state_dict_{index}.bin"
 
 
-def save_loader_states(loaders: Sequence[ResumableLoader], target: Path) -> None:
+def save_loader_states(loaders: Sequence[SavedLoader], target: Path) -> None:
     """Write the state of every stateful loader as ``dl_state_dict{_i}.bin`` into ``target`` (one process calls it)."""
     for index, loader in enumerate(loaders):
         if loader.use_stateful_dataloader:

@@ -57,7 +57,9 @@ __all__ = [
     "load_scaler",
     "load_state_dicts",
     "next_iteration",
+    "process_record",
     "read_file",
+    "write_process_record",
     "write_process_states",
     "write_shared_files",
 ]
@@ -213,14 +215,24 @@ def write_shared_files(
         torch_save(scaler.state_dict(), target / SCALER_NAME)
 
 
-def write_process_states(
-    folder: Path, process_index: int, step: int, loader_record: Mapping[str, Any] | None = None
-) -> None:
-    """Write this process's ``random_states_{process_index}.pkl``: ``step``, its generators, and ``loader_record``.
+def process_record(step: int, loader_record: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What this process's ``random_states_{i}.pkl`` holds now: ``step``, its generators, and ``loader_record``.
 
     ``loader_record`` (:func:`~lightning_accel.checkpoint.loader_states.loader_positions`) adds keys Accelerate ignores.
     """
-    torch_save({**get_rng_states(step), **(loader_record or {})}, _process_file(folder, process_index))
+    return {**get_rng_states(step), **(loader_record or {})}
+
+
+def write_process_record(folder: Path, process_index: int, record: Mapping[str, Any]) -> None:
+    """Write a :func:`process_record` as ``random_states_{process_index}.pkl``."""
+    torch_save(dict(record), _process_file(folder, process_index))
+
+
+def write_process_states(
+    folder: Path, process_index: int, step: int, loader_record: Mapping[str, Any] | None = None
+) -> None:
+    """Write this process's ``random_states_{process_index}.pkl`` as they are now (see :func:`process_record`)."""
+    write_process_record(folder, process_index, process_record(step, loader_record))
 
 
 def _write_weights(states: Sequence[Mapping[str, Any]], target: Path, safe_serialization: bool) -> None:

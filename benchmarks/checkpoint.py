@@ -1,0 +1,115 @@
+"""How long a checkpoint blocks training: raw ``torch.save``, HF accelerate's ``save_state``, ours (sync and async).
+
+Workload (issue 33): 60M parameters (15 ``Linear(2000, 2000)``) with AdamW's state after one step, about 705 MB on
+disk. Every round saves once with each variant, in turn, into a fresh folder, so that neighbouring saves meet the same
+machine (these machines are noisy; only ratios inside one run are compared). The time is what the training loop waits
+for: the whole call for the synchronous variants, the call alone for ``save_state(async_save=True)`` (which returns
+once the state is copied into host memory); ``wait_for_checkpoint`` (the background write) is timed apart and not
+counted. ``manifest`` is the part of our synchronous save spent hashing the files (``write_manifest`` on the written
+folder). Medians over the rounds are printed, and each variant's ratio to raw ``torch.save``.
+
+    python benchmarks/checkpoint.py --rounds 5
+    torchrun --nproc_per_node 2 benchmarks/checkpoint.py --rounds 5     # DDP: the main process writes the files
+
+Run it from the repository root with ``PYTHONPATH=.`` (a script's own folder comes first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import lightning_accel
+from lightning_accel.checkpoint.manifest import write_manifest
+
+
+def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2000, 2000) for _ in range(15)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(4, 2000)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _variants(root: Path) -> dict[str, Callable[[Path], float | None]]:
+    import accelerate
+
+    hf = accelerate.Accelerator(cpu=True)
+    ours = lightning_accel.Accelerator(cpu=True)
+    model, optimizer = _model_and_optimizer()
+    hf.prepare(*_model_and_optimizer())  # HF keeps what it prepared and saves that
+    ours.prepare(model, optimizer)
+    main = ours.is_main_process
+
+    def raw(folder: Path) -> None:
+        if main:
+            folder.mkdir()
+            torch.save(model.state_dict(), folder / "model.bin")
+            torch.save(optimizer.state_dict(), folder / "optimizer.bin")
+
+    def manifest(folder: Path) -> float | None:
+        ours.save_state(folder)
+        if not main:
+            return None
+        start = time.perf_counter()
+        write_manifest(folder)
+        return time.perf_counter() - start
+
+    return {
+        "raw torch.save": raw,
+        "hf save_state": lambda folder: hf.save_state(folder) and None,
+        "ours sync": lambda folder: ours.save_state(folder) and None,
+        "ours async (blocked)": lambda folder: ours.save_state(folder, async_save=True) and None,
+        "ours async (background)": lambda folder: _timed(ours.wait_for_checkpoint),
+        "manifest (in ours sync)": manifest,
+    }
+
+
+def _timed(function: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary folder)")
+    args = parser.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))
+    variants = _variants(root)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    rank = int(os.environ.get("RANK", "0"))
+    for round_index in range(args.rounds):
+        for name, save in variants.items():
+            folder = root / f"r{round_index}-{name.split()[0]}-{name.split()[1]}"
+            torch.distributed.barrier() if torch.distributed.is_initialized() else None
+            start = time.perf_counter()
+            measured = save(folder)
+            elapsed = time.perf_counter() - start
+            times[name].append(measured if measured is not None else elapsed)
+        for entry in root.iterdir():
+            if rank == 0 and entry.name.startswith(f"r{round_index}-"):
+                shutil.rmtree(entry, ignore_errors=True)
+    if rank == 0:
+        raw = statistics.median(times["raw torch.save"])
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        print(f"{world} process(es), {args.rounds} rounds, median seconds (ratio to raw torch.save):")
+        for name, values in times.items():
+            median = statistics.median(values)
+            print(f"  {name:26s} {median:7.3f} s  ({median / raw:5.2f}x)")
+    shutil.rmtree(root, ignore_errors=True) if rank == 0 and args.dir is None else None
+
+
+if __name__ == "__main__":
+    main()

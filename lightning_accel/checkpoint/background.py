@@ -1,0 +1,96 @@
+"""Saves written in the background: staged in host memory, written by a thread, published once complete.
+
+``save_state(async_save=True)`` copies what it saves into host memory (:func:`host_copy`: every tensor copied once per
+storage, so tied weights stay tied and ``model.safetensors`` holds the same names as a synchronous save's; other
+objects deep-copied) and returns; a :class:`BackgroundSave` thread then writes the files into the temporary folder
+(:mod:`lightning_accel.checkpoint.folders`) and, where no other process takes part, publishes it. Training may change
+the weights meanwhile: the files hold the state at the call. Where every process saves together, the folder is
+published by :meth:`BackgroundSave.finish`, the collective that the next ``save_state``, ``load_state``,
+``end_training`` or ``wait_for_checkpoint`` runs first. A save killed in the background leaves only the temporary
+folder, which no loader lists and the next save removes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from lightning_accel.state.shared_errors import raise_on_every_process
+
+__all__ = ["BackgroundSave", "host_copy"]
+
+_T = TypeVar("_T")
+
+
+def host_copy(obj: _T) -> _T:
+    """``obj`` with every tensor copied into host memory, aliases kept, and every other leaf deep-copied.
+
+    Tensors that share a storage (tied weights, views) share the copy of it, so a writer that keeps one name per
+    storage (safetensors) writes what it would have written from the originals.
+    """
+    storages: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        detached = tensor.detach()
+        source = detached.untyped_storage()
+        key = (detached.device, source.data_ptr())
+        if key not in storages:
+            storages[key] = source.cpu() if detached.device.type != "cpu" else source.clone()
+        copied = torch.empty(0, dtype=detached.dtype)
+        copies[id(tensor)] = copied.set_(storages[key], detached.storage_offset(), detached.size(), detached.stride())
+        return tensor
+
+    apply_to_collection(obj, torch.Tensor, copy_tensor)
+    return copy.deepcopy(obj, memo=dict(copies))  # every tensor found above is taken from ``copies``
+
+
+class BackgroundSave:
+    """One save being written by a thread: ``write`` runs there; ``publish`` runs there too, or in :meth:`finish`.
+
+    Args:
+        write: Writes the staged files into the temporary folder.
+        publish: Gives the folder its name (with its manifest).
+        together: Whether every process saves into the folder, so that it is published only once all are done
+            (in :meth:`finish`, a collective); else ``publish`` runs in the thread after ``write``.
+        what: The folder, for errors.
+
+    """
+
+    def __init__(self, write: Callable[[], None], publish: Callable[[], None], *, together: bool, what: str) -> None:
+        self._write, self._publish, self._together, self.what = write, publish, together, what
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lightning-accel-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._write()
+            if not self._together:
+                self._publish()
+        except BaseException as error:  # raised to the caller of finish()
+            self._error = error
+
+    @property
+    def done(self) -> bool:
+        """Whether the thread has finished (written, or failed)."""
+        return not self._thread.is_alive()
+
+    def finish(self) -> None:
+        """Wait for the thread, then publish a save made together (collective then) and raise what failed.
+
+        Raises:
+            BaseException: What writing or publishing raised, on every process of a save made together.
+
+        """
+        self._thread.join()
+        if self._together:
+            raise_on_every_process(self._error, f"the background save of {self.what}")
+            self._publish()
+        elif self._error is not None:
+            raise self._error

@@ -1,0 +1,129 @@
+"""``save_state(async_save=True)``: the state at the call, written by a thread, published once complete.
+
+Each run trains while its checkpoint is written (the weights change under the writer); its files must be those of a
+synchronous save at the same step, byte for byte (their manifests' sha256 agree), and a resume from either must end
+where the uninterrupted run ends. An error in the background is raised by the next call; a save killed in the
+background leaves the previous checkpoint the one that is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_accel import Accelerator
+from lightning_accel.checkpoint.manifest import MANIFEST_NAME
+from lightning_accel.utils import ProjectConfiguration, set_seed
+from lightning_accel.utils.other import CheckpointWriteError
+from tests.helpers import REPO, clean_env, reset_accelerator_states
+from tests.unit.checkpoint.test_write_errors import file_size_limit
+
+STEPS, SAVE_AT = 6, 3
+
+
+def _run(root: Path, *, async_save: bool | None, resume: bool = False) -> tuple[dict[str, torch.Tensor], Path | None]:
+    """Train ``STEPS`` steps (resumed: the rest after ``SAVE_AT``), saving at ``SAVE_AT`` (``None``: no save)."""
+    reset_accelerator_states()
+    set_seed(0)
+    config = ProjectConfiguration(project_dir=str(root), automatic_checkpoint_naming=True)
+    accelerator = Accelerator(cpu=True, project_config=config)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    batches = torch.randn(STEPS, 8, 16, generator=torch.Generator().manual_seed(1))
+    first = 0
+    if resume:
+        accelerator.load_state()
+        first = SAVE_AT
+    saved = None
+    for step in range(first, STEPS):
+        if step == SAVE_AT and async_save is not None:
+            saved = Path(accelerator.save_state(async_save=async_save))
+        accelerator.backward(model(batches[step]).pow(2).mean() + torch.rand(()))  # the generator is saved too
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.end_training()  # finishes the background save
+    return {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}, saved
+
+
+def _digests(folder: Path) -> dict[str, dict[str, object]]:
+    return dict(json.loads((folder / MANIFEST_NAME).read_text())["files"])
+
+
+def test_an_async_save_writes_the_synchronous_files_and_resumes_to_the_same_weights(tmp_path: Path) -> None:
+    uninterrupted, _ = _run(tmp_path / "plain", async_save=None)
+    after_async, async_folder = _run(tmp_path / "async", async_save=True)
+    after_sync, sync_folder = _run(tmp_path / "sync", async_save=False)
+    assert async_folder is not None and sync_folder is not None
+    assert async_folder.name == sync_folder.name == "checkpoint_0"
+    assert _digests(async_folder) == _digests(sync_folder)  # byte for byte, though training went on while it wrote
+    assert not list((tmp_path / "async" / "checkpoints").glob(".*incomplete*"))
+    for final in (after_async, after_sync):
+        for name, tensor in uninterrupted.items():
+            assert torch.equal(final[name], tensor), name
+    resumed_async, _ = _run(tmp_path / "async", async_save=None, resume=True)
+    resumed_sync, _ = _run(tmp_path / "sync", async_save=None, resume=True)
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed_async[name], tensor), name
+        assert torch.equal(resumed_sync[name], tensor), name
+
+
+def test_a_background_error_is_raised_by_the_next_call_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(128, 128))
+    accelerator.save_state(tmp_path / "first")
+    with file_size_limit(16_384):
+        folder = accelerator.save_state(tmp_path / "second", async_save=True)  # returns: the write fails later
+        assert folder == str(tmp_path / "second")
+        with pytest.raises(CheckpointWriteError, match=r"Could not write model.safetensors in the folder .*\.second"):
+            accelerator.wait_for_checkpoint()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]
+    accelerator.wait_for_checkpoint()  # raised once: nothing pending now
+    accelerator.load_state(tmp_path / "first")
+    assert model.weight.shape == (128, 128)
+
+
+_KILLED = """
+import os, signal, sys, torch
+from lightning_accel import Accelerator
+from lightning_accel.utils import ProjectConfiguration
+config = ProjectConfiguration(project_dir=sys.argv[1], automatic_checkpoint_naming=True)
+accelerator = Accelerator(cpu=True, project_config=config)
+model = accelerator.prepare(torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(40)]))  # 168 MB
+accelerator.save_state()
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+accelerator.save_state(async_save=True)
+os.kill(os.getpid(), signal.SIGKILL)  # while the thread writes checkpoint_1
+"""
+
+
+@pytest.mark.launch
+def test_a_save_killed_in_the_background_is_never_loaded(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(_KILLED))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=clean_env(PYTHONPATH=str(REPO)), timeout=300, check=False
+    )
+    assert done.returncode == -signal.SIGKILL
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".checkpoint_1.incomplete", "checkpoint_0"]
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = Accelerator(cpu=True, project_config=config)
+    model = accelerator.prepare(torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(40)]))
+    assert accelerator.load_state() == str(checkpoints / "checkpoint_0")
+    reference = torch.load(checkpoints / "checkpoint_0" / "random_states_0.pkl", weights_only=False)
+    assert reference["step"] == 0
+    from safetensors.torch import load_file
+
+    saved = load_file(checkpoints / "checkpoint_0" / "model.safetensors")
+    assert torch.equal(model.state_dict()["0.weight"], saved["0.weight"])
+    accelerator.save_state()  # the next save takes the name and removes what the killed one left
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_0", "checkpoint_1"]
