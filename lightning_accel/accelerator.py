@@ -1085,6 +1085,7 @@ class Accelerator:
         safe_serialization: bool = True,
         *,
         async_save: bool = False,
+        checksums: bool = True,
         **save_model_func_kwargs: Any,
     ) -> str:
         """Save models, optimizers, schedulers, RNG states and registered objects with Accelerate's file names.
@@ -1114,9 +1115,18 @@ class Accelerator:
         call first). Training may go on meanwhile: the files hold the state at the call. An error in the background
         is raised by that next call; a save killed in the background is never loaded or rotated. Not under FSDP and
         DeepSpeed, whose engines write their own files.
+
+        The folder gets ``checkpoint_manifest.json`` (not in Accelerate): every file's size and sha256, which
+        ``load_state`` checks first. ``checksums=False`` records the sizes only, sparing the hashing (about as long
+        again as a write into the page cache; an asynchronous save hashes in the background).
         """
         return self._checkpoints.save_state(
-            output_dir, safe_serialization, step=self.step, async_save=async_save, engine_kwargs=save_model_func_kwargs
+            output_dir,
+            safe_serialization,
+            step=self.step,
+            async_save=async_save,
+            checksums=checksums,
+            engine_kwargs=save_model_func_kwargs,
         )
 
     def wait_for_checkpoint(self) -> None:

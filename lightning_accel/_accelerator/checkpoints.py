@@ -203,6 +203,7 @@ class Checkpoints:
         self._save_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._pending: BackgroundSave | None = None
+        self._checksums = True  # the last save_state's choice, which its publication follows
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Add ``objects`` to what ``save_state`` saves (see ``Accelerator.register_for_checkpointing``)."""
@@ -283,15 +284,18 @@ class Checkpoints:
         *,
         step: int,
         async_save: bool,
+        checksums: bool,
         engine_kwargs: dict[str, Any],
     ) -> str:
         """Write the checkpoint folder (see :meth:`lightning_accel.Accelerator.save_state`); returns its path.
 
-        ``step`` is the ``Accelerator``'s micro-step counter, saved with this process's random states. With
+        ``step`` is the ``Accelerator``'s micro-step counter, saved with this process's random states; ``checksums``
+        puts the files' sha256 into the manifest (see :mod:`lightning_accel.checkpoint.manifest`). With
         ``async_save`` the state is copied into host memory and written by a thread (see
         :mod:`lightning_accel.checkpoint.background`); a save still pending is finished first.
         """
         self.wait_for_checkpoint()
+        self._checksums = checksums
         engine = self._engine(engine_kwargs)
         if async_save and engine is not None:
             raise ValueError(
@@ -327,7 +331,7 @@ class Checkpoints:
             def write() -> None:
                 with abandon_on_error(target.temporary):
                     self._write_staged(target.temporary, staged, safe_serialization)
-                    write_manifest(target.temporary)
+                    write_manifest(target.temporary, checksums=self._checksums)
 
             self._run(write, lambda: publish(target), background=background, together=False, what=str(final))
         else:
@@ -389,7 +393,9 @@ class Checkpoints:
         config = self._project
         if config.save_on_each_node:  # node-local disks: each node gets the files (shards, metadata) it lacks
             complete_on_each_node(target.temporary, node_manager=self._state.is_local_main_process, what="save_state")
-        self._on_disk_managers(lambda: _publish_with_manifest(target), "save_state (publishing the checkpoint)")
+        checksums = self._checksums
+        publishing = "save_state (publishing the checkpoint)"
+        self._on_disk_managers(lambda: _publish_with_manifest(target, checksums), publishing)
         if config.automatic_checkpoint_naming:
             self._on_disk_managers(lambda: rotate(target.final.parent, config.total_limit), "save_state (rotation)")
 
@@ -566,11 +572,11 @@ class Checkpoints:
         return bool(numbered_checkpoints(Path(config.project_dir) / "checkpoints"))
 
 
-def _publish_with_manifest(target: SaveTarget) -> None:
+def _publish_with_manifest(target: SaveTarget, checksums: bool) -> None:
     """Record the folder's files in its manifest, then publish it (a no-op where another process published it)."""
     if target.temporary.is_dir():
         with abandon_on_error(target.temporary):
-            write_manifest(target.temporary)
+            write_manifest(target.temporary, checksums=checksums)
     publish(target)
 
 

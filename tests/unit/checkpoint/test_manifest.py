@@ -87,3 +87,20 @@ def test_a_folder_written_by_hf_accelerate_has_no_manifest_and_loads(tmp_path: P
     ours.load_state(tmp_path / "hf")
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_without_checksums_the_manifest_records_sizes_and_still_finds_a_truncated_file(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(32, 32))
+    folder = Path(accelerator.save_state(tmp_path / "ckpt", checksums=False))
+    recorded = json.loads((folder / MANIFEST_NAME).read_text())["files"]
+    assert {name: entry["sha256"] for name, entry in recorded.items()} == dict.fromkeys(recorded)
+    assert recorded["model.safetensors"]["size"] == (folder / "model.safetensors").stat().st_size
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert verify_manifest(folder) is True  # a flipped bit passes where no digest was recorded
+    weights.write_bytes(bytes(data[:-4]))
+    with pytest.raises(CheckpointIntegrityError, match=r"model\.safetensors has \d+ bytes, \d+ when saved"):
+        accelerator.load_state(folder)
