@@ -1,0 +1,158 @@
+"""The SLURM recipes of ``examples/slurm/`` (issue 32) under a simulated ``srun``, and under submitit's local executor.
+
+No SLURM exists here: ``srun`` is simulated by starting the 2 processes of one node with the variables SLURM gives
+each task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``, ``SLURM_NODELIST``,
+``SLURM_JOB_ID``, ...), which Lightning's ``SLURMEnvironment`` and ``Accelerator()`` read. The one stand-in is
+``scontrol``: a script on ``PATH`` that records its arguments. Every run is compared with the same example under
+``torchrun --nproc_per_node 2``: the final weights are identical, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import SCRIPTS, clean_env, free_port, torchrun, wait_all
+
+SCRIPT = str(SCRIPTS / "slurm_example.py")
+TIMEOUT = 180
+JOB_ID = "4242"
+
+
+def _example_args(kind: str, work: Path, out: Path) -> list[str]:
+    folder = "--root" if kind == "trainer" else "--project"
+    return [kind, "--", folder, str(work), "--out", str(out)]
+
+
+def _slurm_env(rank: int, port: int, bin_dir: Path, **extra: str) -> dict[str, str]:
+    """The variables ``srun`` gives task ``rank`` of a 2-task, 1-node job (plus the fake ``scontrol`` on PATH)."""
+    return clean_env(
+        SLURM_JOB_ID=JOB_ID,
+        SLURM_JOB_NAME="train",
+        SLURM_NTASKS="2",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_NNODES="1",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NODELIST="127.0.0.1",
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank),
+        SLURM_NODEID="0",
+        MASTER_PORT=str(port),
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SCONTROL_LOG=str(bin_dir / "scontrol.log"),
+        **extra,
+    )
+
+
+def _srun(args: list[str], bin_dir: Path, **extra: str) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    return [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, *args],
+            env=_slurm_env(rank, port, bin_dir, **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+
+
+@pytest.fixture
+def bin_dir(tmp_path: Path) -> Path:
+    """A folder holding the fake ``scontrol``, which appends its arguments to ``$SCONTROL_LOG``."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    scontrol = folder / "scontrol"
+    scontrol.write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    scontrol.chmod(0o755)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["trainer", "accelerator"])
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict]]:
+    """The example's final weights under ``torchrun --nproc_per_node 2``, uninterrupted."""
+    kind = request.param
+    work = tmp_path_factory.mktemp(f"torchrun_{kind}")
+    torchrun("slurm_example.py", *_example_args(kind, work / "run", work / "weights.pt"), timeout=TIMEOUT)
+    yield kind, torch.load(work / "weights.pt", weights_only=True)
+
+
+def _summary(kind: str) -> str:
+    """The line process 0 prints at the end: the whole run on one group of 2 processes, found from SLURM's variables."""
+    return (
+        "trained 3 epochs on 2 processes (SLURMEnvironment)" if kind == "trainer" else "trained 24 steps on 2 processes"
+    )
+
+
+def _assert_same_weights(path: Path, reference: dict[str, torch.Tensor]) -> None:
+    weights = torch.load(path, weights_only=True)
+    assert weights.keys() == reference.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_srun_trains_as_torchrun(reference: tuple[str, dict], tmp_path: Path, bin_dir: Path) -> None:
+    kind, weights = reference
+    out = tmp_path / "weights.pt"
+    outputs = wait_all(_srun(_example_args(kind, tmp_path / "run", out), bin_dir), TIMEOUT, f"srun {kind}")
+    _assert_same_weights(out, weights)
+    assert _summary(kind) in outputs[0]
+    assert not (bin_dir / "scontrol.log").exists()
+
+
+def _wait_for_files(paths: list[Path], procs: list[subprocess.Popen[str]], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not all(path.exists() for path in paths):
+        if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
+            _kill(procs)
+            outputs = [proc.communicate()[0] for proc in procs]
+            raise AssertionError(f"{what}: {[str(p) for p in paths]} never appeared:\n" + "\n".join(outputs))
+        time.sleep(0.1)
+
+
+def _kill(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigusr1_saves_requeues_and_the_requeued_job_resumes(
+    reference: tuple[str, dict], tmp_path: Path, bin_dir: Path
+) -> None:
+    """SIGUSR1 to both tasks at one point of training: a save, ``scontrol requeue <job>``; the rerun resumes."""
+    kind, weights = reference
+    work, out, ready = tmp_path / "run", tmp_path / "weights.pt", tmp_path / "ready"
+    pause = ["--pause-at", "0" if kind == "trainer" else "9", "--ready", str(ready)]
+    first = _srun([*pause, *_example_args(kind, work, out)], bin_dir)
+    _wait_for_files([ready / "ready_0", ready / "ready_1"], first, "the first run")
+    for proc in first:
+        proc.send_signal(signal.SIGUSR1)  # SLURM signals every task of the job (--signal=SIGUSR1@90)
+    log = bin_dir / "scontrol.log"
+    if kind == "trainer":  # Lightning saves in its handler and training goes on: SLURM would now end the job
+        _wait_for_files([log], first, "the requeue")
+        _kill(first)
+        for proc in first:
+            proc.communicate(timeout=TIMEOUT)
+        assert (work / "hpc_ckpt_1.ckpt").exists()
+    else:  # the loop saves after the step every process stops at, and exits
+        wait_all(first, TIMEOUT, "the preempted loop")
+        assert [p.name for p in sorted((work / "checkpoints").iterdir())] == ["checkpoint_0"]
+    assert log.read_text() == f"requeue {JOB_ID}\n"
+    assert not out.exists()
+
+    outputs = wait_all(_srun(_example_args(kind, work, out), bin_dir, SLURM_RESTART_COUNT="1"), TIMEOUT, "requeued")
+    _assert_same_weights(out, weights)
+    assert _summary(kind) in outputs[0]
+    if kind == "trainer":
+        assert f"Restored all states from the checkpoint at {work / 'hpc_ckpt_1.ckpt'}" in outputs[0]
+    assert log.read_text() == f"requeue {JOB_ID}\n"  # the requeued run ended normally
