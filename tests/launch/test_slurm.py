@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import SCRIPTS, clean_env, free_port, torchrun, wait_all
+from tests.helpers import REPO, SCRIPTS, clean_env, free_port, torchrun, wait_all
 
 SCRIPT = str(SCRIPTS / "slurm_example.py")
 TIMEOUT = 180
@@ -87,10 +87,10 @@ def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     yield kind, torch.load(work / "weights.pt", weights_only=True)
 
 
-def _summary(kind: str) -> str:
-    """The line process 0 prints at the end: the whole run on one group of 2 processes, found from SLURM's variables."""
+def _summary(kind: str, environment: str = "SLURMEnvironment") -> str:
+    """The line process 0 prints at the end: the whole run on one group of 2 processes, found by ``environment``."""
     return (
-        "trained 3 epochs on 2 processes (SLURMEnvironment)" if kind == "trainer" else "trained 24 steps on 2 processes"
+        f"trained 3 epochs on 2 processes ({environment})" if kind == "trainer" else "trained 24 steps on 2 processes"
     )
 
 
@@ -156,3 +156,25 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes(
     if kind == "trainer":
         assert f"Restored all states from the checkpoint at {work / 'hpc_ckpt_1.ckpt'}" in outputs[0]
     assert log.read_text() == f"requeue {JOB_ID}\n"  # the requeued run ended normally
+
+
+def test_submitit_local_executor_trains_as_torchrun(reference: tuple[str, dict], tmp_path: Path) -> None:
+    """``examples/slurm/submit.py --local``: submitit's ``AutoExecutor(cluster="local")`` with 2 tasks."""
+    pytest.importorskip("submitit")
+    kind, weights = reference
+    out = tmp_path / "weights.pt"
+    folder = "--root" if kind == "trainer" else "--project"
+    submit = [str(REPO / "examples" / "slurm" / "submit.py"), kind, "--local", "--logs", str(tmp_path / "logs")]
+    process = subprocess.Popen(
+        [sys.executable, *submit, "--", folder, str(tmp_path / "run"), "--out", str(out)],
+        env=clean_env(MASTER_PORT=str(free_port())),  # else submitit derives a port from the job id
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the timeout kills submitit's job controller and its tasks with it
+    )
+    wait_all([process], TIMEOUT, f"submitit {kind}")
+    _assert_same_weights(out, weights)
+    task_logs = sorted((tmp_path / "logs").glob("*_0_log.out"))
+    # torch's variables, exported from submitit's: Lightning's default environment reads them
+    assert _summary(kind, "LightningEnvironment") in task_logs[0].read_text()
