@@ -178,3 +178,31 @@ def test_submitit_local_executor_trains_as_torchrun(reference: tuple[str, dict],
     task_logs = sorted((tmp_path / "logs").glob("*_0_log.out"))
     # torch's variables, exported from submitit's: Lightning's default environment reads them
     assert _summary(kind, "LightningEnvironment") in task_logs[0].read_text()
+
+
+def test_torchrun_in_two_pods_with_the_pytorch_operators_variables_trains_as_torchrun(
+    reference: tuple[str, dict], tmp_path: Path
+) -> None:
+    """Kubeflow's PyTorchJob gives each pod ``PET_NNODES``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and
+    ``PET_MASTER_PORT``, which ``torchrun`` reads as its options: two pods of one process train as 2 processes do.
+    """
+    kind, weights = reference
+    out = tmp_path / "weights.pt"
+    port = str(free_port())
+    args = _example_args(kind, tmp_path / "run", out)
+    if kind == "trainer":
+        args += ["--devices", "1", "--num_nodes", "2"]
+    pods = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", SCRIPT, *args],
+            env=clean_env(PET_NNODES="2", PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = wait_all(pods, TIMEOUT, f"two pods, {kind}")
+    _assert_same_weights(out, weights)
+    assert _summary(kind, "TorchElasticEnvironment") in outputs[0]
