@@ -206,3 +206,12 @@ def test_torchrun_in_two_pods_with_the_pytorch_operators_variables_trains_as_tor
     outputs = wait_all(pods, TIMEOUT, f"two pods, {kind}")
     _assert_same_weights(out, weights)
     assert _summary(kind, "TorchElasticEnvironment") in outputs[0]
+
+
+@pytest.mark.parametrize("kind", ["trainer", "accelerator"])
+def test_the_sbatch_scripts_run_the_tested_examples_with_requeue_on_sigusr1(kind: str) -> None:
+    """What the tests above run under a simulated ``srun`` is what each sbatch script's ``srun`` line starts."""
+    sbatch = (REPO / "examples" / "slurm" / f"{kind}.sbatch").read_text()
+    options = [line.split()[1] for line in sbatch.splitlines() if line.startswith("#SBATCH")]
+    assert {"--signal=SIGUSR1@90", "--requeue", "--ntasks-per-node=2"} <= set(options)
+    assert f"srun python examples/slurm/train_{kind}.py " in sbatch
