@@ -215,3 +215,22 @@ def test_the_sbatch_scripts_run_the_tested_examples_with_requeue_on_sigusr1(kind
     options = [line.split()[1] for line in sbatch.splitlines() if line.startswith("#SBATCH")]
     assert {"--signal=SIGUSR1@90", "--requeue", "--ntasks-per-node=2"} <= set(options)
     assert f"srun python examples/slurm/train_{kind}.py " in sbatch
+
+
+@pytest.mark.parametrize("reference", ["accelerator"], indirect=True)
+def test_sigterm_saves_the_loop_without_a_requeue_and_the_rerun_resumes(
+    reference: tuple[str, dict], tmp_path: Path, bin_dir: Path
+) -> None:
+    """SIGTERM (SLURM preempting or cancelling): the loop saves and stops, but leaves the requeue to SLURM."""
+    kind, weights = reference
+    work, out, ready = tmp_path / "run", tmp_path / "weights.pt", tmp_path / "ready"
+    first = _srun(["--pause-at", "5", "--ready", str(ready), *_example_args(kind, work, out)], bin_dir)
+    _wait_for_files([ready / "ready_0", ready / "ready_1"], first, "the first run")
+    for proc in first:
+        proc.send_signal(signal.SIGTERM)
+    wait_all(first, TIMEOUT, "the preempted loop")
+    assert [p.name for p in sorted((work / "checkpoints").iterdir())] == ["checkpoint_0"]
+    assert not (bin_dir / "scontrol.log").exists()
+    assert not out.exists()
+    wait_all(_srun(_example_args(kind, work, out), bin_dir, SLURM_RESTART_COUNT="1"), TIMEOUT, "the rerun")
+    _assert_same_weights(out, weights)
