@@ -34,6 +34,7 @@ from lightning_accel.config.fp8 import AORecipeKwargs, FP8RecipeKwargs, TERecipe
 from lightning_accel.config.profile import ProfileKwargs
 from lightning_accel.enums import DistributedType, PrecisionType
 from lightning_accel.launch_settings import torch_device_from_env
+from lightning_accel.launch_settings.submitit import check_submitit_tasks
 from lightning_accel.precision import precision_plugin
 from lightning_accel.precision.base import AcceleratePrecision
 from lightning_accel.state import GradientState
@@ -85,7 +86,8 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
     (Lightning's default environment). Anything else is one process.
 
     Raises:
-        ValueError: If the variables hold something other than positive integers.
+        ValueError: If the variables hold something other than positive integers, or in a task of a multi-task
+            submitit local job without torch's variables (``check_submitit_tasks``).
 
     """
     env = os.environ if environ is None else environ
@@ -99,6 +101,7 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
     if "LOCAL_RANK" in env and "WORLD_SIZE" in env:
         world = _positive(env, "WORLD_SIZE", "1")
         return Launch(world, _positive(env, "LOCAL_WORLD_SIZE", str(world)))
+    check_submitit_tasks(env)
     return Launch()
 
 

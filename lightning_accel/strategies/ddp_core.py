@@ -24,6 +24,7 @@ from lightning_accel.config.devices import (
     import_collective_backend,
 )
 from lightning_accel.enums import DDPCommunicationHookType, DistributedType
+from lightning_accel.launch_settings.submitit import check_submitit_tasks
 from lightning_accel.lightning_compat import set_process_group_backend
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
@@ -225,7 +226,15 @@ class DDPFamilyAdapter:
         return self._family.collective_backend(self.root_device)
 
     def _configure_launcher(self: _Host) -> None:
-        """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind the precision to them."""
+        """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind the precision to them.
+
+        Raises:
+            ValueError: In a task of a multi-task submitit local job without torch's variables, where Lightning
+                would start processes of its own in each task (``check_submitit_tasks``).
+
+        """
+        if self.cluster_environment is None or not self.cluster_environment.creates_processes_externally:
+            check_submitit_tasks()
         self._family.check_devices(self.parallel_devices)
         bind_precision(strategy_precision(self), self.parallel_devices)
         super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO

@@ -304,6 +304,16 @@ def test_detect_launch_reads_the_launchers_variables() -> None:
         detect_launch({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "two"})
 
 
+def test_detect_launch_refuses_a_submitit_local_task_without_torchs_variables() -> None:
+    """submitit's local executor conveys the ranks in its own variables only: each task would train alone."""
+    task = {"SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_LOCALID": "1"}
+    with pytest.raises(ValueError, match=r"task 1 of a submitit local job of SUBMITIT_LOCAL_NTASKS=2 tasks.*export"):
+        detect_launch(task)
+    exported = {**task, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert detect_launch(exported) == Launch(2, 2)  # TorchDistributedEnvironment().export() set torch's variables
+    assert detect_launch({"SUBMITIT_LOCAL_NTASKS": "1"}) == Launch(1, 1)
+
+
 def resumable_run(project_dir: Path) -> tuple[Accelerator, Any, Any, Any, Any]:
     reset_state()
     config = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True)

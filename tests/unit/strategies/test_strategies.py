@@ -310,3 +310,15 @@ def test_process_group_options_reach_init_process_group() -> None:
     }
     default = AcceleratedDDPStrategy("MULTI_GPU")._family.process_group_kwargs(torch.device("cuda", 1))
     assert default == {"timeout": timedelta(minutes=30), "device_id": torch.device("cuda", 1)}
+
+
+def test_acc_ddp_refuses_a_submitit_local_task_without_torchs_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In each of 2 submitit local tasks, Lightning would start 2 processes of its own: refused, naming the export."""
+    monkeypatch.setenv("SUBMITIT_LOCAL_NTASKS", "2")
+    monkeypatch.setenv("SUBMITIT_LOCAL_GLOBALID", "0")
+    with pytest.raises(ValueError, match=r"TorchDistributedEnvironment\(\)\.export"):
+        L.Trainer(strategy="acc_ddp", accelerator="cpu", devices=2, logger=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # exported: Lightning's environment reads torch's variables
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert L.Trainer(strategy="acc_ddp", accelerator="cpu", devices=2, logger=False).world_size == 2
