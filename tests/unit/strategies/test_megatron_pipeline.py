@@ -6,7 +6,8 @@ batch): the losses the strategy reports, the weights after training, the stage f
 an exact resume from them, Fabric and Trainer alike. Then the ``Accelerator`` shim with Accelerate's Megatron loop
 (``tests/scripts/megatron_pipeline_accelerator.py``: ``loss = model(**batch)`` runs the step) at pp_degree=2 against the
 same reference, its ``save_state`` folder (one model and one optimizer file per stage), and an exact resume in a
-fresh launch driven by an Accelerate config file (``megatron_lm_pp_degree: 2``).
+fresh launch driven by an Accelerate config file (``megatron_lm_pp_degree: 2``). Last, sequence parallelism inside
+the pipeline (``tests/scripts/megatron_pipeline_sequence.py``: tp_degree=2, pp_degree=2, 4 processes) against it.
 """
 
 from __future__ import annotations
@@ -181,3 +182,21 @@ def test_accelerator_save_state_writes_each_stage_and_resumes_exactly(
         assert resumed["eval_loss"] == full["eval_loss"]
         for name, weight in full["weights"].items():
             assert torch.equal(resumed["weights"][name], weight), name
+
+
+# --- sequence parallelism inside the pipeline (4 processes) ---
+
+
+@pytest.mark.launch
+@needs_megatron
+def test_sequence_parallelism_at_tp2_pp2_trains_as_pp1(runs_dir: Path) -> None:
+    torchrun("megatron_pipeline_sequence.py", "--out", str(runs_dir), nproc=4, timeout=300)
+    results = load_rank_results(runs_dir)
+    reference, ranks = results["pp1"][0], results["tp2_pp2_sp"]
+    assert [result["stage"] for result in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # tensor-parallel peers
+    for result in ranks[2:]:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
+    assert ranks[0]["losses"] == [0.0] * len(reference["losses"])
+    assert ranks[0]["weights"].keys() | ranks[2]["weights"].keys() == reference["weights"].keys()
+    for result in ranks:  # the layer norms' gradients summed across tensor-parallel ranks, as without the pipeline
+        _assert_weights_match(result, reference)
