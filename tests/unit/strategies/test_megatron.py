@@ -526,3 +526,19 @@ def test_on_one_gpu_megatron_attention_rope_and_recompute(tmp_path: Path) -> Non
     for variant in ("selective", "full"):  # recomputation changes memory, not numbers
         assert_matches(results[variant][0], native)
     assert all(torch.isfinite(torch.tensor(results["rope"][0]["losses"])))
+
+
+@pytest.mark.launch
+@pytest.mark.gpu
+@needs_megatron
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_one_gpu_megatrons_distributed_optimizer_trains_as_torch_adamw(tmp_path: Path) -> None:
+    """Evidence for lifting the ``use_distributed_optimizer`` refusal: megatron-core's own DDP and optimizer on CUDA."""
+    results = load_rank_results(torchrun_each(tmp_path, "megatron_gpu_distributed_optimizer.py", {1: 600}))
+    distributed, reference = results["distributed_optimizer"][0], results["torch_adamw"][0]
+    assert "Distributed" in distributed["optimizer"]
+    torch.testing.assert_close(
+        torch.tensor(distributed["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-4
+    )
+    for name, weight in reference["weights"].items():
+        torch.testing.assert_close(distributed["weights"][name], weight, rtol=0, atol=1e-4, msg=name)
