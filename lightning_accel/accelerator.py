@@ -40,6 +40,7 @@ from lightning_accel._accelerator.checks import (
 from lightning_accel._accelerator.data_loaders import DataLoaders
 from lightning_accel._accelerator.deepspeed_members import ReturnedModels, ulysses_loader
 from lightning_accel._accelerator.gradients import GradientClipping, raw_optimizer
+from lightning_accel._accelerator.megatron import PipelineEngine
 from lightning_accel._accelerator.module import (
     AcceleratedModule,
     autocast_own_forward,
@@ -1276,6 +1277,8 @@ class Accelerator:
 
     def unwrap_model(self, model: Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Module:
         """The user's own module, without the Fabric and strategy wrappers (and ``torch.compile``'s unless kept)."""
+        if isinstance(model, PipelineEngine):  # a pipeline stage's engine holds Fabric's wrapper
+            model = model.module
         return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def free_memory(self, *objects: Any) -> list[None]:

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
@@ -74,6 +75,9 @@ def run(out: Path, phase: str, plugin: MegatronLMPlugin | None) -> dict[str, Any
         accelerator.load_state(out / "acc_state")
         losses = train(accelerator, prepared[:3], loader, range(HALF, STEPS), None)
     engine = prepared[0]
+    assert accelerator.unwrap_model(engine) is model
+    with pytest.raises(ValueError, match=r"each pipeline stage holds part of the model"):
+        accelerator.get_state_dict(engine)
     engine.eval()
     evaluated = float(engine(*next(iter(loader))))
     result = {
