@@ -189,12 +189,13 @@ def _stage_module(model: Module) -> Module:
 
 
 class MegatronStageCheckpoint(EngineCheckpoint):
-    """``save_state``'s models and optimizers at ``pp_degree > 1``: one file of each per pipeline stage.
+    """``save_state``'s models and optimizers under ``acc_megatron_lm``: whole tensors, one file of each per stage.
 
-    Model ``i`` is ``pytorch_model.bin`` (``pytorch_model_{i}.bin``) named for the stage by
+    Model ``i`` is ``pytorch_model.bin`` (``pytorch_model_{i}.bin``), at ``pp_degree > 1`` named for the stage by
     :func:`stage_checkpoint_path` (``pytorch_model_pp00.bin``, ``pytorch_model_pp01.bin``), optimizer ``i`` likewise
-    (``optimizer_pp00.bin``). Each holds the stage's whole tensor-parallel tensors, written by the stage's first
-    tensor- and data-parallel rank; loading reads the stage's own files and takes this rank's slices.
+    (``optimizer.bin``, ``optimizer_pp00.bin``). Each holds the stage's whole tensor-parallel tensors, written by the
+    stage's first tensor- and data-parallel rank; loading reads the stage's own files and takes this rank's slices,
+    so a folder written at ``tp_degree=2`` holds what ``tp_degree=1`` writes.
     """
 
     def save(self, models: Sequence[Module], optimizers: Sequence[Any], target: Path, **kwargs: Any) -> None:
@@ -239,12 +240,16 @@ class MegatronStageCheckpoint(EngineCheckpoint):
             inner.load_state_dict(split_optimizer_state(read_checkpoint_file(path, read), inner))
 
     def full_state_dict(self, model: Module, prepared: Sequence[Module]) -> dict[str, Any]:
-        """Refused: each pipeline stage holds part of the model.
+        """The model's whole weights, tensor-parallel shards gathered (a collective), on every process.
 
         Raises:
-            ValueError: Always, naming what to use instead.
+            ValueError: At ``pp_degree > 1``, where each pipeline stage holds part of the model.
 
         """
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return _gathered_model(engine_module(model, prepared))
         raise ValueError(
             "At MegatronLMPlugin(pp_degree > 1) each pipeline stage holds part of the model, so there is no whole "
             "state dict on one process: use accelerator.save_state(folder), which writes one model file per stage "

@@ -293,8 +293,12 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
         return self if self._megatron.plugin.pp_degree > 1 else None
 
     def checkpoint_engine(self) -> EngineCheckpoint | None:
-        """At ``pp_degree > 1``, ``save_state`` writes one model and one optimizer file per pipeline stage."""
-        return MegatronStageCheckpoint() if self._megatron.plugin.pp_degree > 1 else None
+        """``save_state``'s model and optimizer files with whole tensor-parallel tensors, one of each per stage.
+
+        ``None`` at ``tp_degree = pp_degree = 1``, where every rank holds the whole model.
+        """
+        plugin = self._megatron.plugin
+        return MegatronStageCheckpoint() if plugin.pp_degree > 1 or plugin.tp_degree > 1 else None
 
     @override
     def clip_gradients_norm(
