@@ -40,6 +40,7 @@ from lightning_accel._accelerator.checks import (
 from lightning_accel._accelerator.data_loaders import DataLoaders
 from lightning_accel._accelerator.deepspeed_members import ReturnedModels, ulysses_loader
 from lightning_accel._accelerator.gradients import GradientClipping, raw_optimizer
+from lightning_accel._accelerator.megatron import PipelineEngine
 from lightning_accel._accelerator.module import (
     AcceleratedModule,
     autocast_own_forward,
@@ -77,7 +78,7 @@ from lightning_accel.enums import DistributedType, DynamoBackend, FP8BackendType
 from lightning_accel.launch_settings import accelerator_kwargs, settings_from_env
 from lightning_accel.lightning_compat import get_backward_sync_control
 from lightning_accel.optimizer import AcceleratedOptimizer, DeepSpeedOptimizerWrapper
-from lightning_accel.scheduler import AcceleratedScheduler
+from lightning_accel.scheduler import AcceleratedScheduler, MegatronLMSchedulerWrapper
 from lightning_accel.state import AcceleratorState, GradientState
 from lightning_accel.strategies.protocol import ShimStrategy, as_shim_strategy
 from lightning_accel.tracking import GeneralTracker, resolve_trackers
@@ -128,7 +129,9 @@ class Accelerator:
             ``ProfileKwargs``; each goes to the strategy, precision plugin or method that uses it.
         dynamo_plugin: ``torch.compile`` settings applied by the strategy when a model is prepared.
         log_with: Tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"comet_ml"``, ``"all"``) or objects.
-        megatron_lm_plugin: Megatron-LM settings: the run uses ``acc_megatron_lm`` (tensor and data parallelism).
+        megatron_lm_plugin: Megatron-LM settings: the run uses ``acc_megatron_lm`` (tensor, pipeline and data
+            parallelism; at ``pp_degree > 1`` the prepared model's forward is the whole training step, as in
+            Accelerate).
         dynamo_backend: Shorthand for ``dynamo_plugin=TorchDynamoPlugin(backend=...)``.
         split_batches: Deprecated in Accelerate: ``DataLoaderConfiguration(split_batches=...)``. Given here, it is
             applied to the data-loader configuration with a ``FutureWarning`` (Accelerate 1.15 ignores it).
@@ -736,10 +739,13 @@ class Accelerator:
         strategy = self.fabric.strategy
         engine, plain = self._strategy.engine_steps_in_backward, plain_optimizer_step(strategy)
         place = device_placement and not engine  # an engine (DeepSpeed) places its own optimizer state
+        in_forward = self._strategy.pipeline() is not None  # the prepared model's forward steps it
         wrapped = (
             DeepSpeedOptimizerWrapper(optimizer, precision=strategy.precision)
             if engine
-            else AcceleratedOptimizer(optimizer, place, precision=strategy.precision, plain_step=plain)
+            else AcceleratedOptimizer(
+                optimizer, place, precision=strategy.precision, plain_step=plain, engine_steps=in_forward
+            )
         )
         self._prepared.optimizers.append(wrapped)
         return wrapped
@@ -771,9 +777,12 @@ class Accelerator:
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so it steps with its prepared optimizer (a ``DummyScheduler``: the engine's)."""
         optimizers = [opt for opt in self._prepared.optimizers if raw_optimizer(opt) is scheduler.optimizer]
-        wrapped = _engine_step.engine_scheduler(self._strategy, scheduler, self._prepared.optimizers) or (
-            AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches)
-        )
+        if self._strategy.pipeline() is not None:  # the prepared model's training step steps it
+            wrapped: AcceleratedScheduler = MegatronLMSchedulerWrapper(scheduler, optimizers)
+        else:
+            wrapped = _engine_step.engine_scheduler(self._strategy, scheduler, self._prepared.optimizers) or (
+                AcceleratedScheduler(scheduler, optimizers, self.step_scheduler_with_optimizer, self.split_batches)
+            )
         self._prepared.schedulers.append(wrapped)
         return wrapped
 
@@ -853,11 +862,14 @@ class Accelerator:
         """Backpropagate ``loss`` divided by the accumulation steps, through the strategy and precision plugin.
 
         Engines that accumulate themselves (DeepSpeed) get it undivided and step here at sync steps, as in Accelerate.
-        With a LOMO optimizer prepared, ``learning_rate=`` runs its fused backward (:meth:`lomo_backward`).
+        With a LOMO optimizer prepared, ``learning_rate=`` runs its fused backward (:meth:`lomo_backward`). Under a
+        pipeline-parallel Megatron model it does nothing: the model's forward ran the step, as in Accelerate.
         """
         models = self._prepared.models
         if not models:
             _module.check_backward_after_prepare(models)
+        if self._strategy.pipeline() is not None:
+            return  # the prepared model's forward ran the backward passes (Megatron's pipeline, as in Accelerate)
         steps = self.gradient_state.num_steps
         if kwargs and kwargs.get("learning_rate") is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss / steps, kwargs["learning_rate"])
@@ -1292,6 +1304,8 @@ class Accelerator:
 
     def unwrap_model(self, model: Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Module:
         """The user's own module, without the Fabric and strategy wrappers (and ``torch.compile``'s unless kept)."""
+        if isinstance(model, PipelineEngine):  # a pipeline stage's engine holds Fabric's wrapper
+            model = model.module
         return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def free_memory(self, *objects: Any) -> list[None]:

@@ -10,7 +10,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from lightning_accel.optimizer import AcceleratedOptimizer
 from lightning_accel.state import GradientState, PartialState
 
-__all__ = ["AcceleratedScheduler", "DeepSpeedSchedulerWrapper"]
+__all__ = ["AcceleratedScheduler", "DeepSpeedSchedulerWrapper", "MegatronLMSchedulerWrapper"]
 
 
 class AcceleratedScheduler:
@@ -87,3 +87,15 @@ class DeepSpeedSchedulerWrapper(AcceleratedScheduler):
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Do nothing: ``accelerator.backward`` stepped the engine, and with it this scheduler (as in Accelerate)."""
+
+
+class MegatronLMSchedulerWrapper(AcceleratedScheduler):
+    """A scheduler prepared with a pipeline-parallel Megatron model: the model's training step steps it.
+
+    As Accelerate's wrapper of the same name: calling the prepared model runs the whole step (the optimizer's, then
+    one step of this scheduler), so ``step`` does nothing; ``get_last_lr``, ``state_dict`` and the others are the
+    scheduler's.
+    """
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Do nothing: the prepared model's forward stepped the scheduler (as in Accelerate)."""

@@ -1,4 +1,4 @@
-"""What ``Accelerator.prepare`` returns for a model under DeepSpeed, and Accelerate's DeepSpeed-only members.
+"""What ``Accelerator.prepare`` returns for a model under DeepSpeed (or a pipeline), and DeepSpeed-only members.
 
 HF accelerate's ``prepare`` returns the ``deepspeed.DeepSpeedEngine`` itself, and programs rely on it:
 ``transformers.Trainer`` saves and resumes through ``engine.save_checkpoint`` / ``load_checkpoint``, reads
@@ -16,6 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_accel._accelerator.megatron import PipelineEngine
 from lightning_accel._accelerator.module import AcceleratedModule
 from lightning_accel._accelerator.prepared import PreparedObjects
 from lightning_accel.config import ParallelismConfig
@@ -45,7 +46,14 @@ class ReturnedModels:
         self.engine_wrapped: DeepSpeedEngineWrapper | None = None
 
     def returned(self, prepared: AcceleratedModule) -> Module:
-        """What ``prepare`` returns for a model: the DeepSpeed engine itself (as Accelerate), else the wrapper."""
+        """What ``prepare`` returns for a model: an engine where the strategy runs one, else Fabric's wrapper.
+
+        The DeepSpeed engine itself (as Accelerate), or a :class:`PipelineEngine` where the strategy runs a pipeline
+        schedule (Megatron at ``pp_degree > 1``, as Accelerate's ``MegatronEngine``: its forward is the step).
+        """
+        pipeline = self._strategy.pipeline()
+        if pipeline is not None:
+            return PipelineEngine(prepared, pipeline, self._prepared)
         engine = self._strategy.returned_model(prepared)
         if engine is prepared:
             return prepared
@@ -59,11 +67,13 @@ class ReturnedModels:
         """Fabric's wrapper of a model ``prepare`` returned (the wrapper itself, or the engine it holds)."""
         if isinstance(model, _FabricModule):
             return model
+        if isinstance(model, PipelineEngine):
+            return model.module
         return next((m for m in self._prepared.models if fabric_forward_module(m) is model), model)
 
     def is_prepared(self, model: Module) -> bool:
         """Whether ``prepare`` returned ``model`` already: Fabric's wrapper, or a DeepSpeed engine it handed back."""
-        if isinstance(model, _FabricModule):
+        if isinstance(model, (_FabricModule, PipelineEngine)):
             return True
         return any(self._strategy.returned_model(m) is model for m in self._prepared.models)
 

@@ -5,21 +5,35 @@ saving gathers the shards over megatron's tensor-parallel group, loading takes t
 megatron's ``use_cpu_initialization`` splits a whole weight. Optimizer state of the parameter's shape (momentum,
 Adam's moments) is treated the same way. So a checkpoint written at ``tp_degree=2`` holds what a ``tp_degree=1`` run
 would hold, and resumes at either size. At ``pp_degree > 1`` each pipeline stage writes and reads its own file
-(:func:`stage_checkpoint_path`), holding the stage's parameters under the stage's names.
+(:func:`stage_checkpoint_path`), holding the stage's parameters under the stage's names; the ``Accelerator``'s
+``save_state`` folders hold one model and one optimizer file per stage (:class:`MegatronStageCheckpoint`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn import Module, Parameter
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_accel.checkpoint.engines import (
+    EngineCheckpoint,
+    check_present,
+    engine_module,
+    indexed_name,
+    refuse_options,
+    torch_optimizer,
+)
+from lightning_accel.utils.constants import MODEL_NAME, OPTIMIZER_NAME
+from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
+
 __all__ = [
+    "MegatronStageCheckpoint",
     "gather_model_state",
     "gather_optimizer_state",
     "global_layer_names",
@@ -167,3 +181,95 @@ def writes_stage_checkpoint() -> bool:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+
+
+def _stage_module(model: Module) -> Module:
+    inner = engine_module(model)
+    return inner.module if isinstance(inner, DistributedDataParallel) else inner
+
+
+class MegatronStageCheckpoint(EngineCheckpoint):
+    """``save_state``'s models and optimizers under ``acc_megatron_lm``: whole tensors, one file of each per stage.
+
+    Model ``i`` is ``pytorch_model.bin`` (``pytorch_model_{i}.bin``), at ``pp_degree > 1`` named for the stage by
+    :func:`stage_checkpoint_path` (``pytorch_model_pp00.bin``, ``pytorch_model_pp01.bin``), optimizer ``i`` likewise
+    (``optimizer.bin``, ``optimizer_pp00.bin``). Each holds the stage's whole tensor-parallel tensors, written by the
+    stage's first tensor- and data-parallel rank; loading reads the stage's own files and takes this rank's slices,
+    so a folder written at ``tp_degree=2`` holds what ``tp_degree=1`` writes.
+    """
+
+    def save(self, models: Sequence[Module], optimizers: Sequence[Any], target: Path, **kwargs: Any) -> None:
+        """Gather each stage's model and optimizer state (collectives) and write the stage's files."""
+        refuse_options("acc_megatron_lm", kwargs)
+        states = [(self._model_file(target, i), _gathered_model(m)) for i, m in enumerate(models)]
+        states += [(self._optimizer_file(target, i), _gathered_optimizer(o)) for i, o in enumerate(optimizers)]
+        if writes_stage_checkpoint():
+            for path, state in states:
+                torch.save(state, path)
+
+    def load(
+        self,
+        models: Sequence[Module],
+        optimizers: Sequence[Any],
+        source: Path,
+        *,
+        weights_only: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """Load this stage's files into the prepared ``models`` and ``optimizers`` (this rank's slices).
+
+        Raises:
+            ValueError: If a file of this stage is missing (before anything is loaded), or cannot be read.
+
+        """
+        refuse_options("acc_megatron_lm", kwargs)
+        model_files = [self._model_file(source, i) for i in range(len(models))]
+        optimizer_files = [self._optimizer_file(source, i) for i in range(len(optimizers))]
+        wanted = [(f"pipeline-stage file of model {i}", [path]) for i, path in enumerate(model_files)]
+        wanted += [(f"pipeline-stage file of optimizer {i}", [path]) for i, path in enumerate(optimizer_files)]
+        check_present(source, wanted)
+
+        def read(path: Path) -> Any:
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+        for model, path in zip(models, model_files, strict=True):
+            stage = _stage_module(model)
+            stage.load_state_dict(split_model_state(read_checkpoint_file(path, read), stage))
+        for optimizer, path in zip(optimizers, optimizer_files, strict=True):
+            inner = torch_optimizer(optimizer)
+            inner.load_state_dict(split_optimizer_state(read_checkpoint_file(path, read), inner))
+
+    def full_state_dict(self, model: Module, prepared: Sequence[Module]) -> dict[str, Any]:
+        """The model's whole weights, tensor-parallel shards gathered (a collective), on every process.
+
+        Raises:
+            ValueError: At ``pp_degree > 1``, where each pipeline stage holds part of the model.
+
+        """
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return _gathered_model(engine_module(model, prepared))
+        raise ValueError(
+            "At MegatronLMPlugin(pp_degree > 1) each pipeline stage holds part of the model, so there is no whole "
+            "state dict on one process: use accelerator.save_state(folder), which writes one model file per stage "
+            "(pytorch_model_pp00.bin, ...), or pp_degree=1 to save the whole model."
+        )
+
+    @staticmethod
+    def _model_file(folder: Path, index: int) -> Path:
+        return stage_checkpoint_path(folder / indexed_name(MODEL_NAME, index, ".bin"))
+
+    @staticmethod
+    def _optimizer_file(folder: Path, index: int) -> Path:
+        return stage_checkpoint_path(folder / indexed_name(OPTIMIZER_NAME, index, ".bin"))
+
+
+def _gathered_model(model: Module) -> dict[str, Any]:
+    stage = _stage_module(model)
+    return gather_model_state(stage.state_dict(), stage)
+
+
+def _gathered_optimizer(optimizer: Any) -> dict[str, Any]:
+    inner = torch_optimizer(optimizer)
+    return gather_optimizer_state(inner.state_dict(), inner)

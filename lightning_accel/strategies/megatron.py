@@ -25,7 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+from lightning_accel.checkpoint.engines import EngineCheckpoint
 from lightning_accel.checkpoint.megatron import (
+    MegatronStageCheckpoint,
     gather_model_state,
     gather_optimizer_state,
     split_model_state,
@@ -33,9 +35,9 @@ from lightning_accel.checkpoint.megatron import (
     stage_checkpoint_path,
     writes_stage_checkpoint,
 )
-from lightning_accel.config import DistributedDataParallelKwargs
+from lightning_accel.config import DistributedDataParallelKwargs, TorchDynamoPlugin
 from lightning_accel.config.megatron import MegatronLMPlugin
-from lightning_accel.enums import DistributedType
+from lightning_accel.enums import DistributedType, DynamoBackend
 from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.ddp_core import ProcessGroupOptions
@@ -46,6 +48,7 @@ from lightning_accel.strategies.lightning_arguments import (
 )
 from lightning_accel.strategies.megatron_core import MegatronFamily, clip_grad_norm_across_tensor_parallel
 from lightning_accel.strategies.megatron_pipeline import Batch, ForwardFn, LossFn
+from lightning_accel.strategies.protocol import PipelineStep
 from lightning_accel.strategies.registry import StrategyEntry
 
 __all__ = ["AcceleratedMegatronLMStrategy", "FabricAcceleratedMegatronLMStrategy"]
@@ -63,6 +66,21 @@ class MegatronOptions(ProcessGroupOptions, total=False):
     """``acc_megatron_lm``'s settings besides ``megatron_lm_plugin`` (see :class:`AcceleratedMegatronLMStrategy`)."""
 
     ddp_kwargs: DistributedDataParallelKwargs | None
+    dynamo_plugin: TorchDynamoPlugin | None
+
+
+def _refuse_compilation(dynamo_plugin: TorchDynamoPlugin | None) -> None:
+    """Accept a ``TorchDynamoPlugin`` that compiles nothing (``lightning-accel launch`` passes its backend ``NO``).
+
+    Raises:
+        ValueError: For a backend that would compile the megatron model.
+
+    """
+    if dynamo_plugin is not None and dynamo_plugin.backend != DynamoBackend.NO:
+        raise ValueError(
+            f"acc_megatron_lm does not compile models: got TorchDynamoPlugin(backend={dynamo_plugin.backend.value!r})"
+            "; pass dynamo_backend='no' (or drop the config file's dynamo_config section)"
+        )
 
 
 class TrainerMegatronArgs(MegatronOptions, ParallelArguments, TrainerPlugins, total=False):
@@ -81,7 +99,8 @@ class _MegatronMembers:
     def _adopt_megatron(self, plugin: MegatronLMPlugin | None, options: Mapping[str, Any]) -> dict[str, Any]:
         """Build the strategy's :class:`MegatronFamily`; the arguments for the DDP strategy it extends."""
         self._megatron = MegatronFamily(plugin, options.get("ddp_kwargs"))
-        return {"strategy_name": "acc_megatron_lm", **options}
+        _refuse_compilation(options.get("dynamo_plugin"))
+        return {"strategy_name": "acc_megatron_lm", **{k: v for k, v in options.items() if k != "dynamo_plugin"}}
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -98,13 +117,16 @@ class _MegatronMembers:
         """Shard data over megatron's data-parallel group: tensor-parallel peers read the same batches."""
         return self._megatron.sampler_kwargs()
 
-    def pipeline_step(self, module: Module, batch: Batch, forward: ForwardFn, loss: LossFn) -> torch.Tensor:
+    def pipeline_step(
+        self, module: Module, batch: Batch, forward: ForwardFn, loss: LossFn, *, forward_only: bool = False
+    ) -> torch.Tensor:
         """Forward and backward one batch through megatron-core's pipeline schedule; then step the optimizer.
 
         The batch is cut into ``MegatronLMPlugin.num_micro_batches`` micro-batches and run by the schedule
         ``megatron.core.pipeline_parallel.get_forward_backward_func()`` chooses (1F1B across ``pp_degree`` stages).
         Every stage passes the same batch; ``forward(module, micro_batch)`` returns the model's output (the loss
-        tensor on the last stage, hidden states elsewhere) and ``loss(output, micro_batch)`` the scalar loss.
+        tensor on the last stage, hidden states elsewhere) and ``loss(output, micro_batch)`` the scalar loss. With
+        ``forward_only`` (evaluation) the schedule runs the forward passes only, without gradients.
 
         Returns:
             On the last stage, the mean loss over micro-batches, averaged across data-parallel ranks; ``0.0`` on the
@@ -119,7 +141,9 @@ class _MegatronMembers:
                 return forward(stage, micro_batch)
 
         device = self.root_device  # type: ignore[attr-defined]  # Lightning's, in the MRO
-        return self._megatron.pipeline_step(module, batch, forward_in_precision, loss, device)
+        return self._megatron.pipeline_step(
+            module, batch, forward_in_precision, loss, device, forward_only=forward_only
+        )
 
     def _megatron_precision(self) -> Any:
         """The precision plugin (``precision_plugin`` on the Trainer's strategy, ``precision`` on Fabric's)."""
@@ -260,6 +284,21 @@ class FabricAcceleratedMegatronLMStrategy(_MegatronMembers, FabricAcceleratedDDP
         wrapped = self._megatron.wrap(module, self._determine_ddp_device_ids())
         self._megatron_modules.append(wrapped)
         return wrapped
+
+    def pipeline(self) -> PipelineStep | None:
+        """The strategy itself at ``pp_degree > 1``: the ``Accelerator``'s prepared model runs :meth:`pipeline_step`.
+
+        As in Accelerate's ``MegatronEngine``, the prepared model's forward is then the whole training step.
+        """
+        return self if self._megatron.plugin.pp_degree > 1 else None
+
+    def checkpoint_engine(self) -> EngineCheckpoint | None:
+        """``save_state``'s model and optimizer files with whole tensor-parallel tensors, one of each per stage.
+
+        ``None`` at ``tp_degree = pp_degree = 1``, where every rank holds the whole model.
+        """
+        plugin = self._megatron.plugin
+        return MegatronStageCheckpoint() if plugin.pp_degree > 1 or plugin.tp_degree > 1 else None
 
     @override
     def clip_gradients_norm(

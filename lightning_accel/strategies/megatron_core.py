@@ -305,7 +305,14 @@ class MegatronFamily:
         return ddp
 
     def pipeline_step(
-        self, module: Module, batch: Batch, forward: ForwardFn, loss: LossFn, device: torch.device
+        self,
+        module: Module,
+        batch: Batch,
+        forward: ForwardFn,
+        loss: LossFn,
+        device: torch.device,
+        *,
+        forward_only: bool = False,
     ) -> torch.Tensor:
         """One training step's forward and backward through megatron's schedule (see :func:`pipeline_step`).
 
@@ -315,13 +322,15 @@ class MegatronFamily:
             forward: ``forward(module, micro_batch)``: the model's output.
             loss: ``loss(output, micro_batch)``: the scalar loss (last stage only).
             device: The run's device.
+            forward_only: Evaluate: forward passes only, without gradients.
 
         Returns:
             The loss as Accelerate reports it: on the last stage the mean over micro-batches, ``0.0`` elsewhere.
 
         """
+        count = self.plugin.num_micro_batches
         return pipeline_step(
-            module, batch, forward, loss, num_micro_batches=self.plugin.num_micro_batches, device=device
+            module, batch, forward, loss, num_micro_batches=count, device=device, forward_only=forward_only
         )
 
     def reduce_sequence_parallel_gradients(self, modules: Iterable[Module]) -> None:

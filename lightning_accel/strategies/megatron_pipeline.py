@@ -17,7 +17,7 @@ inside the functions only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from functools import partial
 from typing import Any
 from unittest import mock
@@ -119,7 +119,14 @@ def _all_reduce_gradients(module: Module) -> None:
 
 
 def pipeline_step(
-    module: Module, batch: Batch, forward: ForwardFn, loss: LossFn, *, num_micro_batches: int, device: torch.device
+    module: Module,
+    batch: Batch,
+    forward: ForwardFn,
+    loss: LossFn,
+    *,
+    num_micro_batches: int,
+    device: torch.device,
+    forward_only: bool = False,
 ) -> Tensor:
     """Forward and backward ``batch`` through megatron's schedule; the gradients are left for the optimizer.
 
@@ -130,6 +137,8 @@ def pipeline_step(
         loss: ``loss(output, micro_batch)``: the micro-batch's scalar loss (called on the last stage only).
         num_micro_batches: How many micro-batches the batch is cut into.
         device: The device of the run (a CPU run redirects megatron's CUDA-only allocations).
+        forward_only: Evaluate: the schedule's forward passes only, without gradients (megatron's
+            ``forward_only=True`` under ``torch.no_grad()``).
 
     Returns:
         On the last stage, the mean loss over micro-batches (each averaged across data-parallel ranks); ``0.0``
@@ -145,7 +154,7 @@ def pipeline_step(
         micro_batch = next(data_iterator)
         return forward(model, micro_batch), partial(_loss_func, loss, micro_batch)
 
-    with cpu_schedule_allocations(device):
+    with cpu_schedule_allocations(device), torch.no_grad() if forward_only else nullcontext():
         losses_reduced = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=pending,
@@ -153,7 +162,8 @@ def pipeline_step(
             num_microbatches=num_micro_batches,
             seq_length=int(batch[0].shape[1]),
             micro_batch_size=int(micro_batches[0][0].shape[0]),
-            forward_only=False,
+            forward_only=forward_only,
         )
-    _all_reduce_gradients(module)
+    if not forward_only:
+        _all_reduce_gradients(module)
     return _reported_loss(losses_reduced, device)

@@ -24,7 +24,14 @@ if TYPE_CHECKING:
     from lightning_accel.config import FullyShardedDataParallelPlugin, ParallelismConfig
     from lightning_accel.enums import DistributedType
 
-__all__ = ["ContextBackwardSync", "ShimStrategy", "ShimStrategyDefaults", "StepEngine", "as_shim_strategy"]
+__all__ = [
+    "ContextBackwardSync",
+    "PipelineStep",
+    "ShimStrategy",
+    "ShimStrategyDefaults",
+    "StepEngine",
+    "as_shim_strategy",
+]
 
 
 class StepEngine(Protocol):
@@ -44,6 +51,21 @@ class StepEngine(Protocol):
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Whether the coming backward pass ends an accumulation."""
+
+
+class PipelineStep(Protocol):
+    """A pipeline-parallel training step run by the strategy (megatron-core's schedules at ``pp_degree > 1``)."""
+
+    def pipeline_step(
+        self,
+        module: Module,
+        batch: Sequence[torch.Tensor],
+        forward: Callable[[Module, Sequence[torch.Tensor]], torch.Tensor],
+        loss: Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor],
+        *,
+        forward_only: bool = False,
+    ) -> torch.Tensor:
+        """Forward (and, unless ``forward_only``, backward) ``batch`` in micro-batches; the reported loss."""
 
 
 class ShimStrategy(Protocol):
@@ -137,6 +159,14 @@ class ShimStrategy(Protocol):
     def returned_model(self, wrapper: Module) -> Module:
         """What ``Accelerator.prepare`` hands back for a model set up into Fabric's ``wrapper`` (by default itself)."""
         return wrapper
+
+    def pipeline(self) -> PipelineStep | None:
+        """The pipeline schedule that runs a prepared model's whole training step in its forward.
+
+        ``None`` by default: the prepared model's forward is the user's, and the script calls ``backward`` and the
+        optimizer's ``step`` itself.
+        """
+        return None
 
 
 class ShimStrategyDefaults(ShimStrategy):

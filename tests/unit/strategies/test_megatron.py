@@ -506,6 +506,21 @@ def test_parallel_state_sampler_and_shards(runs: Results) -> None:
 
 @pytest.mark.launch
 @needs_megatron
+def test_accelerator_save_state_at_tp2_writes_whole_tensors_and_loads_each_rank_its_shards(tmp_path: Path) -> None:
+    results = load_rank_results(torchrun_each(tmp_path, "megatron_accelerator_tp2_state.py", {2: 300}))
+    first, second = results["accelerator_tp2_state"]
+    assert {path.name for path in (tmp_path / "tp2_state").iterdir()} >= {"pytorch_model.bin", "optimizer.bin"}
+    saved = torch.load(tmp_path / "tp2_state" / "pytorch_model.bin", weights_only=True)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert saved[qkv].shape == (48, 16) and first["shards"][qkv].shape == (24, 16)  # whole in the file
+    assert torch.equal(saved[qkv], torch.cat([first["shards"][qkv], second["shards"][qkv]]))
+    for result in (first, second):
+        assert all(result["restored"].values()), [name for name, ok in result["restored"].items() if not ok]
+        assert torch.equal(result["whole"][qkv], saved[qkv])  # get_state_dict gathers the shards too
+
+
+@pytest.mark.launch
+@needs_megatron
 def test_accelerator_prepared_loader_gives_tensor_parallel_peers_the_same_batches(runs: Results) -> None:
     first, second = (result["prepared_batches"] for result in runs["accelerator_tp2"])
     assert first == second
@@ -526,3 +541,19 @@ def test_on_one_gpu_megatron_attention_rope_and_recompute(tmp_path: Path) -> Non
     for variant in ("selective", "full"):  # recomputation changes memory, not numbers
         assert_matches(results[variant][0], native)
     assert all(torch.isfinite(torch.tensor(results["rope"][0]["losses"])))
+
+
+@pytest.mark.launch
+@pytest.mark.gpu
+@needs_megatron
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_one_gpu_megatrons_distributed_optimizer_trains_as_torch_adamw(tmp_path: Path) -> None:
+    """Evidence for lifting the ``use_distributed_optimizer`` refusal: megatron-core's own DDP and optimizer on CUDA."""
+    results = load_rank_results(torchrun_each(tmp_path, "megatron_gpu_distributed_optimizer.py", {1: 600}))
+    distributed, reference = results["distributed_optimizer"][0], results["torch_adamw"][0]
+    assert "Distributed" in distributed["optimizer"]
+    torch.testing.assert_close(
+        torch.tensor(distributed["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-4
+    )
+    for name, weight in reference["weights"].items():
+        torch.testing.assert_close(distributed["weights"][name], weight, rtol=0, atol=1e-4, msg=name)
