@@ -30,6 +30,7 @@ from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.lightning_arguments import StartMethod, check_keywords
 from lightning_accel.strategies.precision_adoption import bind_precision, strategy_precision
+from lightning_accel.strategies.subprocess_launch import follow_lightnings_launcher
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
@@ -168,6 +169,9 @@ class _Host(Protocol):
     @property
     def parallel_devices(self) -> list[torch.device] | None: ...
 
+    @property
+    def launcher(self) -> object: ...
+
     def _get_process_group_backend(self) -> str: ...
 
 
@@ -228,6 +232,8 @@ class DDPFamilyAdapter:
     def _configure_launcher(self: _Host) -> None:
         """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind the precision to them.
 
+        A process Lightning's launcher starts ends when the launching process ends (``follow_lightnings_launcher``).
+
         Raises:
             ValueError: In a task of a multi-task submitit local job without torch's variables, where Lightning
                 would start processes of its own in each task (``check_submitit_tasks``).
@@ -238,6 +244,7 @@ class DDPFamilyAdapter:
         self._family.check_devices(self.parallel_devices)
         bind_precision(strategy_precision(self), self.parallel_devices)
         super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
+        follow_lightnings_launcher(self)
 
     def _init_process_group(self: _Host) -> None:
         """Choose the collective backend and create the default process group (world ranks already set)."""
