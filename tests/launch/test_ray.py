@@ -126,25 +126,3 @@ def test_trainer_recipe_acc_deepspeed_matches_acc_ddp(reference: Path, tmp_path:
     pytest.importorskip("deepspeed")
     _run(ray_loops.trainer_loop, {"strategies": ["acc_deepspeed"]}, tmp_path)
     _assert_same(_weights(tmp_path, "trainer_acc_deepspeed"), _weights(reference, "trainer_acc_ddp"), atol=1e-6)
-
-
-def test_prepare_trainer_refuses_a_strategy_ray_cannot_run(ray_session: None) -> None:
-    import lightning as L
-
-    from lightning_accel.integrations.ray import prepare_trainer
-
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="acc_no", logger=False)
-    with pytest.raises(
-        TypeError, match=r"strategy AcceleratedSingleDeviceStrategy.*Pass `strategy=` one of \[.*'acc_ddp'"
-    ):
-        prepare_trainer(trainer)
-
-
-def test_prepare_trainer_refuses_an_environment_that_is_not_rays(ray_session: None) -> None:
-    import lightning as L
-
-    from lightning_accel.integrations.ray import prepare_trainer
-
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="acc_ddp", logger=False)
-    with pytest.raises(TypeError, match=r"cluster environment is LightningEnvironment.*RayLightningEnvironment\(\)"):
-        prepare_trainer(trainer)
