@@ -77,8 +77,14 @@ def _save(config: Mapping[str, Any], name: str, weights: Mapping[str, torch.Tens
 
 
 class _KillAtStep(L.Callback):
+    """Ends rank 1's process at ``config["kill_at_step"]`` (first attempt); notes the model's wrapper as it trains."""
+
     def __init__(self, config: Mapping[str, Any]) -> None:
         self.config = config
+        self.wrapper = ""
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.wrapper = type(trainer.strategy.model).__name__
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if _kill_here(self.config, trainer.global_step):
@@ -94,12 +100,13 @@ def fit_trainer(config: Mapping[str, Any], strategy: str, checkpoint: Checkpoint
 
     A restarted worker resumes from ``checkpoint`` (Ray's ``get_checkpoint()``) with ``ckpt_path``.
     """
+    watch = _KillAtStep(config)
     trainer = L.Trainer(
         accelerator="cpu",
         devices="auto",
         strategy=_strategy(strategy),
         plugins=[RayLightningEnvironment()],
-        callbacks=[RayTrainReportCallback(), _KillAtStep(config)],
+        callbacks=[RayTrainReportCallback(), watch],
         max_epochs=EPOCHS,
         logger=False,
         enable_checkpointing=False,
@@ -118,6 +125,9 @@ def fit_trainer(config: Mapping[str, Any], strategy: str, checkpoint: Checkpoint
         key.removeprefix("net."): _full(value) for key, value in trainer.strategy.lightning_module_state_dict().items()
     }
     _save(config, f"trainer_{strategy}.pt", weights)
+    if _rank() == 0:  # what ran: the strategy class and the wrapper of the model (DDP, FSDP, DeepSpeed's engine)
+        ran = {"strategy": type(trainer.strategy).__name__, "model": watch.wrapper}
+        (Path(config["out"]) / f"trainer_{strategy}.json").write_text(json.dumps(ran))
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
