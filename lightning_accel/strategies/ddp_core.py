@@ -29,6 +29,7 @@ from lightning_accel.lightning_compat import set_process_group_backend
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.lightning_arguments import StartMethod, check_keywords
+from lightning_accel.strategies.placement import ClusterPlacement, ClusterReplicas
 from lightning_accel.strategies.precision_adoption import bind_precision, strategy_precision
 from lightning_accel.strategies.subprocess_launch import follow_lightnings_launcher
 
@@ -194,10 +195,11 @@ class DDPOptions(ProcessGroupOptions, total=False):
 _FAMILY_KEYS = ("strategy_name", "ddp_kwargs", "init_kwargs", "dynamo_plugin")
 
 
-class DDPFamilyAdapter:
+class DDPFamilyAdapter(ClusterPlacement, ClusterReplicas):
     """What the Trainer and Fabric twins of a DDP-family strategy share, read from their ``_family``.
 
-    Listed before Lightning's strategy among the bases, so its methods take precedence over Lightning's.
+    Listed before Lightning's strategy among the bases, so its methods take precedence over Lightning's: the root
+    device and the sampler's replicas come from the cluster environment (:mod:`.placement`).
     """
 
     _family: DDPFamily

@@ -69,6 +69,7 @@ from lightning_accel.strategies.lightning_arguments import (
     TrainerPlugins,
     check_keywords,
 )
+from lightning_accel.strategies.placement import ClusterPlacement
 from lightning_accel.strategies.precision_adoption import bind_precision, deepspeed_translating, strategy_precision
 from lightning_accel.strategies.protocol import (
     ContextBackwardSync,
@@ -156,8 +157,12 @@ class FabricDeepSpeedArgs(DeepSpeedOptions, ParallelArguments, FabricPlugins, to
 _FAMILY_KEYS = ("plugin_fields", "dynamo_plugin", "strategy_name", "init_kwargs", "gradient_accumulation_steps")
 
 
-class _DeepSpeedFamilyAdapter:
-    """What the Trainer and Fabric DeepSpeed strategies share, read from their ``_family`` (before Lightning's)."""
+class _DeepSpeedFamilyAdapter(ClusterPlacement):
+    """What the Trainer and Fabric DeepSpeed strategies share, read from their ``_family`` (before Lightning's).
+
+    The root device comes from the cluster environment's local rank (:mod:`.placement`); Lightning's DeepSpeed
+    strategy already sizes the sampler by the world size.
+    """
 
     _family: DeepSpeedFamily
 

@@ -27,6 +27,7 @@ from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.strategies.fsdp_core import FSDPFamily
 from lightning_accel.strategies.lightning_arguments import check_keywords
+from lightning_accel.strategies.placement import ClusterPlacement
 from lightning_accel.strategies.precision_adoption import bind_precision, strategy_precision
 
 if TYPE_CHECKING:
@@ -288,8 +289,12 @@ class ParallelOptions(TypedDict, total=False):
     timeout: timedelta | None
 
 
-class ParallelFamilyAdapter:
-    """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``."""
+class ParallelFamilyAdapter(ClusterPlacement):
+    """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``.
+
+    The root device comes from the cluster environment's local rank (:mod:`.placement`); the sampler's replicas
+    stay Lightning's (the data-parallel dimension of the mesh).
+    """
 
     _parallel: ParallelFamily
     _checkpoint_label = "acc_parallel"

@@ -24,6 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / ROOT
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__main__",),
     ("cli",),
+    ("integrations",),  # Ray Train: runs the strategies (and the shim) under an engine users scale out on
     (
         # callbacks, and the Accelerator shim with its public modules at Accelerate's paths
         "callbacks",
@@ -48,7 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("launch_settings", "lightning_compat"),
     ("config", "enums"),
 )
-SHIM = LAYERS[2][1:]
+SHIM = LAYERS[3][1:]  # the callbacks layer less "callbacks"
 
 # accelerate.utils's modules in Accelerate 1.15 (what ``lightning_accel.utils`` may hold).
 ACCELERATE_UTILS_MODULES = frozenset(
