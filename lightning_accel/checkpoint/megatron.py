@@ -31,6 +31,7 @@ from lightning_accel.checkpoint.engines import (
 )
 from lightning_accel.utils.constants import MODEL_NAME, OPTIMIZER_NAME
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
+from lightning_accel.utils.other import torch_save
 
 __all__ = [
     "MegatronStageCheckpoint",
@@ -205,7 +206,7 @@ class MegatronStageCheckpoint(EngineCheckpoint):
         states += [(self._optimizer_file(target, i), _gathered_optimizer(o)) for i, o in enumerate(optimizers)]
         if writes_stage_checkpoint():
             for path, state in states:
-                torch.save(state, path)
+                torch_save(state, path)
 
     def load(
         self,

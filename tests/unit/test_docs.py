@@ -52,7 +52,7 @@ PUBLIC_MODULES = (
     "lightning_accel.big_modeling",
     "lightning_accel.hooks",
     "lightning_accel.launchers",
-    "lightning_accel.integrations",
+    "lightning_accel.integrations.ray",
     "lightning_accel.local_sgd",
     "lightning_accel.inference",
     "lightning_accel.parallelism_config",
@@ -63,6 +63,8 @@ PUBLIC_MODULES = (
 # Public-looking top-level modules left out of the reference, with the reason. Any other module or package at the top
 # level whose name does not start with "_" must be in PUBLIC_MODULES.
 NOT_DOCUMENTED = {
+    "lightning_accel.integrations": "a namespace that imports none of its modules (no engine needed to import it);"
+    " its module lightning_accel.integrations.ray is documented",
     "lightning_accel.accelerator": "its one name, Accelerator, is documented at the top level, where users import it",
     "lightning_accel.lightning_compat": "internal: checked access to Lightning's private members, not a user API",
     "lightning_accel.launch_settings": "the launcher's machinery; its Accelerate names are documented at "
