@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
 ACCELERATE_CONFIGS = Path(__file__).parent / "fixtures" / "accelerate_configs"
@@ -133,6 +135,11 @@ def accelerates_files(ours: list[str]) -> list[str]:
 
     assert MANIFEST_NAME in ours, f"no {MANIFEST_NAME} among {ours}"
     return [name for name in ours if name != MANIFEST_NAME]
+
+
+needs_megatron = pytest.mark.skipif(  # acc_megatron_lm's tests
+    not has_module("megatron.core"), reason="megatron-core is not installed (the megatron extra)"
+)
 
 
 def load_rank_results(out: Path) -> dict[str, list[dict[str, Any]]]:

@@ -35,14 +35,12 @@ from tests.helpers import (
     free_port,
     has_module,
     load_rank_results,
+    needs_megatron,
     run_python,
     torchrun_each,
 )
 from tests.scripts.megatron_parity import CLIP
 
-needs_megatron = pytest.mark.skipif(
-    not has_module("megatron.core"), reason="megatron-core is not installed (the megatron extra)"
-)
 ATOL = 1e-5
 Results = dict[str, list[dict[str, Any]]]
 

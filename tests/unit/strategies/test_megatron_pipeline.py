@@ -24,16 +24,13 @@ from tests.helpers import (
     ACCELERATE_CONFIGS,
     SCRIPTS,
     free_port,
-    has_module,
     load_rank_results,
+    needs_megatron,
     run_python,
     torchrun,
     torchrun_each,
 )
 
-needs_megatron = pytest.mark.skipif(
-    not has_module("megatron.core"), reason="megatron-core is not installed (the megatron extra)"
-)
 ATOL = 1e-5
 Results = dict[str, list[dict[str, Any]]]
 

@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import has_module, load_rank_results, torchrun_each
+from tests.helpers import load_rank_results, needs_megatron, torchrun_each
 
-needs_megatron = pytest.mark.skipif(not has_module("megatron.core"), reason="megatron-core is not installed")
 ATOL = 1e-5
 Results = dict[str, list[dict[str, Any]]]
 
