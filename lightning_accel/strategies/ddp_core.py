@@ -31,7 +31,7 @@ from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.lightning_arguments import StartMethod, check_keywords
 from lightning_accel.strategies.placement import ClusterPlacement, ClusterReplicas
 from lightning_accel.strategies.precision_adoption import bind_precision, strategy_precision
-from lightning_accel.strategies.subprocess_launch import follow_lightnings_launcher
+from lightning_accel.strategies.subprocess_launch import FollowsTheLauncher
 
 # Backends torch can run on CPU tensors; anything else on CPU is a configuration mistake.
 _CPU_COLLECTIVES = ("gloo", "mpi", "ccl")
@@ -170,9 +170,6 @@ class _Host(Protocol):
     @property
     def parallel_devices(self) -> list[torch.device] | None: ...
 
-    @property
-    def launcher(self) -> object: ...
-
     def _get_process_group_backend(self) -> str: ...
 
 
@@ -195,7 +192,7 @@ class DDPOptions(ProcessGroupOptions, total=False):
 _FAMILY_KEYS = ("strategy_name", "ddp_kwargs", "init_kwargs", "dynamo_plugin")
 
 
-class DDPFamilyAdapter(ClusterPlacement, ClusterReplicas):
+class DDPFamilyAdapter(ClusterPlacement, ClusterReplicas, FollowsTheLauncher):
     """What the Trainer and Fabric twins of a DDP-family strategy share, read from their ``_family``.
 
     Listed before Lightning's strategy among the bases, so its methods take precedence over Lightning's: the root
@@ -234,7 +231,7 @@ class DDPFamilyAdapter(ClusterPlacement, ClusterReplicas):
     def _configure_launcher(self: _Host) -> None:
         """Check the devices Lightning chose (deriving the type for ``acc_ddp``) and bind the precision to them.
 
-        A process Lightning's launcher starts ends when the launching process ends (``follow_lightnings_launcher``).
+        A process Lightning's launcher starts ends when the launching process ends (``FollowsTheLauncher``).
 
         Raises:
             ValueError: In a task of a multi-task submitit local job without torch's variables, where Lightning
@@ -245,8 +242,7 @@ class DDPFamilyAdapter(ClusterPlacement, ClusterReplicas):
             check_submitit_tasks()
         self._family.check_devices(self.parallel_devices)
         bind_precision(strategy_precision(self), self.parallel_devices)
-        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
-        follow_lightnings_launcher(self)
+        super()._configure_launcher()  # type: ignore[misc]  # FollowsTheLauncher's, then Lightning's
 
     def _init_process_group(self: _Host) -> None:
         """Choose the collective backend and create the default process group (world ranks already set)."""

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.plugins.precision import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy as _FabricDeepSpeedStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -78,7 +77,7 @@ from lightning_accel.strategies.protocol import (
     StepEngine,
 )
 from lightning_accel.strategies.registry import StrategyEntry
-from lightning_accel.strategies.subprocess_launch import follow_lightnings_launcher
+from lightning_accel.strategies.subprocess_launch import FollowsTheLauncher
 from lightning_accel.utils.deepspeed import DummyOptim
 from lightning_accel.utils.modeling.checkpoint import (
     check_deepspeed_files,
@@ -117,10 +116,6 @@ def check_deepspeed_folder(path: _PATH, weights_only: bool | None) -> None:
 class _OnDevices(Protocol):
     _family: DeepSpeedFamily
     _lightning_deepspeed: type
-    cluster_environment: ClusterEnvironment | None
-
-    @property
-    def launcher(self) -> object: ...
 
     @property
     def parallel_devices(self) -> list[torch.device] | None: ...
@@ -157,7 +152,7 @@ class FabricDeepSpeedArgs(DeepSpeedOptions, ParallelArguments, FabricPlugins, to
 _FAMILY_KEYS = ("plugin_fields", "dynamo_plugin", "strategy_name", "init_kwargs", "gradient_accumulation_steps")
 
 
-class _DeepSpeedFamilyAdapter(ClusterPlacement):
+class _DeepSpeedFamilyAdapter(ClusterPlacement, FollowsTheLauncher):
     """What the Trainer and Fabric DeepSpeed strategies share, read from their ``_family`` (before Lightning's).
 
     The root device comes from the cluster environment's local rank (:mod:`.placement`); Lightning's DeepSpeed
@@ -189,8 +184,7 @@ class _DeepSpeedFamilyAdapter(ClusterPlacement):
 
     def _configure_launcher(self: _OnDevices) -> None:
         bind_precision(strategy_precision(self), self.parallel_devices)  # refuses fp8 where it cannot run
-        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
-        follow_lightnings_launcher(self)
+        super()._configure_launcher()  # type: ignore[misc]  # FollowsTheLauncher's, then Lightning's
 
     def setup_environment(self: _OnDevices) -> None:
         """Check and claim the devices (CPU ones too), then Lightning's setup past its DeepSpeed class.

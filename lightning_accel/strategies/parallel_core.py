@@ -29,6 +29,7 @@ from lightning_accel.strategies.fsdp_core import FSDPFamily
 from lightning_accel.strategies.lightning_arguments import check_keywords
 from lightning_accel.strategies.placement import ClusterPlacement
 from lightning_accel.strategies.precision_adoption import bind_precision, strategy_precision
+from lightning_accel.strategies.subprocess_launch import FollowsTheLauncher
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -289,7 +290,7 @@ class ParallelOptions(TypedDict, total=False):
     timeout: timedelta | None
 
 
-class ParallelFamilyAdapter(ClusterPlacement):
+class ParallelFamilyAdapter(ClusterPlacement, FollowsTheLauncher):
     """What the Trainer and Fabric ``acc_parallel`` strategies share, read from their ``_parallel``.
 
     The root device comes from the cluster environment's local rank (:mod:`.placement`); the sampler's replicas

@@ -3,7 +3,8 @@
 Lightning's ``_SubprocessScriptLauncher`` runs rank 0 in the user's process and starts the other ranks of the machine
 as its children; it watches them, but they do not watch it. :func:`follow_lightnings_launcher` swaps the launcher an
 ``acc_*`` strategy got from Lightning for one that records its process id for the children when it starts them, and,
-in a child, starts the watch that ends it once rank 0 has ended.
+in a child, starts the watch that ends it once rank 0 has ended. :class:`FollowsTheLauncher` does it for every
+multi-process family (DDP, FSDP, DeepSpeed, ``acc_parallel``, Megatron), once Lightning has chosen the launcher.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing_extensions import override
 from lightning_accel.launch_settings.orphans import mark_launcher, watch_launcher
 from lightning_accel.lightning_compat import set_lightning_private
 
-__all__ = ["follow_lightnings_launcher"]
+__all__ = ["FollowsTheLauncher", "follow_lightnings_launcher"]
 
 
 class _Launched(Protocol):
@@ -70,3 +71,11 @@ def follow_lightnings_launcher(strategy: _Launched) -> None:
             assert isinstance(launcher, lightnings)
             swapped = ours(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
             set_lightning_private(strategy, "_launcher", swapped)
+
+
+class FollowsTheLauncher:
+    """Among a family adapter's bases (before Lightning's strategy): Lightning's launcher, then the follow-up."""
+
+    def _configure_launcher(self: _Launched) -> None:
+        super()._configure_launcher()  # type: ignore[misc]  # Lightning's, after this class in the MRO
+        follow_lightnings_launcher(self)
