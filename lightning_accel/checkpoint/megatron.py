@@ -31,7 +31,7 @@ from lightning_accel.checkpoint.engines import (
 )
 from lightning_accel.utils.constants import MODEL_NAME, OPTIMIZER_NAME
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
-from lightning_accel.utils.other import torch_save
+from lightning_accel.utils.other import load, torch_save
 
 __all__ = [
     "MegatronStageCheckpoint",
@@ -231,7 +231,7 @@ class MegatronStageCheckpoint(EngineCheckpoint):
         check_present(source, wanted)
 
         def read(path: Path) -> Any:
-            return torch.load(path, map_location="cpu", weights_only=weights_only)
+            return load(path, map_location="cpu", weights_only=weights_only)
 
         for model, path in zip(models, model_files, strict=True):
             stage = _stage_module(model)

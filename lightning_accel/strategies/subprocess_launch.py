@@ -19,7 +19,6 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as _TrainerSubprocessLauncher,
 )
-from typing_extensions import override
 
 from lightning_accel.launch_settings.orphans import mark_launcher, watch_launcher
 from lightning_accel.lightning_compat import set_lightning_private
@@ -36,24 +35,25 @@ class _Launched(Protocol):
     def launcher(self) -> object: ...
 
 
-class _MarkingTrainerLauncher(_TrainerSubprocessLauncher):
-    """Lightning's Trainer launcher, which records its process id in the environment its children inherit."""
+class _Launching(Protocol):
+    cluster_environment: ClusterEnvironment
 
-    @override
-    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+
+class _MarksItsChildren:
+    """Before Lightning's subprocess launcher (Trainer's or Fabric's): record this process's id for its children."""
+
+    def launch(self: _Launching, function: Callable, *args: Any, **kwargs: Any) -> Any:
         if not self.cluster_environment.creates_processes_externally:
             mark_launcher()  # beside Lightning's own MASTER_ADDR, NODE_RANK, ... set for the children
-        return super().launch(function, *args, **kwargs)
+        return super().launch(function, *args, **kwargs)  # type: ignore[misc]  # Lightning's, next in the MRO
 
 
-class _MarkingFabricLauncher(_FabricSubprocessLauncher):
+class _MarkingTrainerLauncher(_MarksItsChildren, _TrainerSubprocessLauncher):
+    """Lightning's Trainer launcher, which records its process id in the environment its children inherit."""
+
+
+class _MarkingFabricLauncher(_MarksItsChildren, _FabricSubprocessLauncher):
     """Lightning's Fabric launcher, which records its process id in the environment its children inherit."""
-
-    @override
-    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
-        if not self.cluster_environment.creates_processes_externally:
-            mark_launcher()
-        return super().launch(function, *args, **kwargs)
 
 
 def follow_lightnings_launcher(strategy: _Launched) -> None:
