@@ -310,7 +310,12 @@ def test_an_input_embedding_inside_a_policy_unit_stays_in_it() -> None:
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["_Embeddings"]
     )
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process: no port to race for
+    # A test with the process_wide_group fixture may have left this xdist worker a one-process group (run last in a
+    # worker only among the files it was given): use it, else make one in-process (no port to race for).
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         torch.manual_seed(0)
         model = _Classifier()
@@ -320,4 +325,5 @@ def test_an_input_embedding_inside_a_policy_unit_stays_in_it() -> None:
         assert units == ["", "embeddings", "head"]
         torch.testing.assert_close(model(torch.tensor([[1, 2, 3]])), expected)
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
