@@ -75,6 +75,7 @@ class Client:
     extra_path: tuple[Path, ...] = ()  # more PYTHONPATH entries, on both sides
     site: Path = SITE  # the folder whose sitecustomize.py starts every process (it must load the alias)
     variables: tuple[tuple[str, str], ...] = ()  # environment variables of every run, on both sides
+    retry_reference: bool = False  # every reference run is expected to succeed: a failed one is run once more
 
 
 def environment(side: str, extra_path: Sequence[Path] = (), site: Path = SITE) -> dict[str, str]:
@@ -95,7 +96,21 @@ def free_port() -> int:
 
 
 def launch(client: Client, run: Run, side: str, work: Path) -> tuple[bool, str, float]:
-    """Run ``run`` for ``side`` in ``work/side``; (succeeded, last line of the failure, seconds)."""
+    """Run ``run`` for ``side`` in ``work/side``; (succeeded, the failure, seconds).
+
+    For a client with ``retry_reference`` (one whose reference runs all succeed), a reference-side run that fails is
+    run once more: the reference is not what is tested, and a rare failure of its own (HF's DeepSpeed resume failed
+    once in CI and never here) would otherwise hide every comparison. The retry is printed with the first failure,
+    and a second failure is reported as it is. Our side is never retried.
+    """
+    outcome = _launch_once(client, run, side, work)
+    if outcome[0] or side == "ours" or not client.retry_reference:
+        return outcome
+    print(f"[{client.name}] {run.name} {side}: failed ({outcome[1]}); running it once more", flush=True)
+    return _launch_once(client, run, side, work)
+
+
+def _launch_once(client: Client, run: Run, side: str, work: Path) -> tuple[bool, str, float]:
     folder = work / side
     folder.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(folder / run.name, ignore_errors=True)  # a work folder used before: this run starts from nothing
@@ -131,9 +146,21 @@ def launch(client: Client, run: Run, side: str, work: Path) -> tuple[bool, str, 
     return ok, detail, time.monotonic() - start
 
 
+_LAUNCHER_LINES = ("error_file:", "traceback :", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+
+
 def last_error(log: Path) -> str:
+    """The line of ``log`` that says what failed: a process's exception rather than torchrun's summary of it.
+
+    The log's last lines are printed too, so that the failure can be read where only the stage's output is kept.
+    """
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
+    print(f"--- the last lines of {log}:", *lines[-25:], "---", sep="\n", flush=True)
+    errors = [
+        line
+        for line in lines
+        if ("Error" in line or "error" in line) and not any(mark in line for mark in _LAUNCHER_LINES)
+    ]
     return (errors or lines or ["(no output)"])[-1][:300]
 
 

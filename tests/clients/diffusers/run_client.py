@@ -146,6 +146,7 @@ CLIENT = Client(
     extra_path=(HERE / "standin",),
     site=HERE / "site",
     variables=(("ACCELERATE_USE_CPU", "true"),),  # what `accelerate launch --cpu` sets: HF's runs join one CPU group
+    retry_reference=True,
 )
 
 if __name__ == "__main__":

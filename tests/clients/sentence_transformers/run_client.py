@@ -39,7 +39,7 @@ SCENARIOS = [
     Scenario("sentence_transformers::mnrl_evaluator_1_process", ("mnrl_1",), same_training_and_evaluation("mnrl_1")),
     Scenario("sentence_transformers::mnrl_evaluator_2_processes", ("mnrl_2",), same_training_and_evaluation("mnrl_2")),
 ]
-CLIENT = Client("sentence_transformers", HERE / "st_script.py", RUNS, SCENARIOS)
+CLIENT = Client("sentence_transformers", HERE / "st_script.py", RUNS, SCENARIOS, retry_reference=True)
 
 if __name__ == "__main__":
     sys.exit(main(CLIENT, __doc__.splitlines()[0]))

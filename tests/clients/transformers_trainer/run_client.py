@@ -123,7 +123,7 @@ SCENARIOS = [
 ]
 
 
-CLIENT = Client(NAME, HERE / "trainer_script.py", RUNS, SCENARIOS)
+CLIENT = Client(NAME, HERE / "trainer_script.py", RUNS, SCENARIOS, retry_reference=True)
 
 if __name__ == "__main__":
     sys.exit(main(CLIENT, __doc__.splitlines()[0]))

@@ -31,7 +31,7 @@ SCENARIOS = [
     for trainer in TRAINERS
     if (run := f"{trainer}_{processes}")
 ]
-CLIENT = Client("trl", HERE / "trl_script.py", RUNS, SCENARIOS)
+CLIENT = Client("trl", HERE / "trl_script.py", RUNS, SCENARIOS, retry_reference=True)
 
 if __name__ == "__main__":
     sys.exit(main(CLIENT, __doc__.splitlines()[0]))
