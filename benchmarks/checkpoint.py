@@ -5,8 +5,9 @@ disk. Every round saves once with each variant, in turn, into a fresh folder, so
 machine (these machines are noisy; only ratios inside one run are compared). The time is what the training loop waits
 for: the whole call for the synchronous variants, the call alone for ``save_state(async_save=True)`` (which returns
 once the state is copied into host memory); ``wait_for_checkpoint`` (the background write) is timed apart and not
-counted. ``manifest`` is the part of our synchronous save spent hashing the files (``write_manifest`` on the written
-folder). Medians over the rounds are printed, and each variant's ratio to raw ``torch.save``.
+counted. Our synchronous save is timed with each manifest checksum: CRC-32 (the default), sha256, and sizes only
+(``checksum=None``), the checksums computed while the files are written. Medians over the rounds are printed, and each
+variant's ratio to raw ``torch.save``.
 
     python benchmarks/checkpoint.py --rounds 5
     torchrun --nproc_per_node 2 benchmarks/checkpoint.py --rounds 5     # DDP: the main process writes the files
@@ -29,7 +30,6 @@ import torch
 from torch import nn
 
 import lightning_accel
-from lightning_accel.checkpoint.manifest import write_manifest
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -57,21 +57,14 @@ def _variants(root: Path) -> dict[str, Callable[[Path], float | None]]:
             torch.save(model.state_dict(), folder / "model.bin")
             torch.save(optimizer.state_dict(), folder / "optimizer.bin")
 
-    def manifest(folder: Path) -> float | None:
-        ours.save_state(folder)
-        if not main:
-            return None
-        start = time.perf_counter()
-        write_manifest(folder)
-        return time.perf_counter() - start
-
     return {
         "raw torch.save": raw,
         "hf save_state": lambda folder: hf.save_state(folder) and None,
-        "ours sync": lambda folder: ours.save_state(folder) and None,
+        "ours sync (crc32)": lambda folder: ours.save_state(folder) and None,
+        "ours sync (sha256)": lambda folder: ours.save_state(folder, checksum="sha256") and None,
+        "ours sync (sizes only)": lambda folder: ours.save_state(folder, checksum=None) and None,
         "ours async (blocked)": lambda folder: ours.save_state(folder, async_save=True) and None,
         "ours async (background)": lambda folder: _timed(ours.wait_for_checkpoint),
-        "manifest (in ours sync)": manifest,
     }
 
 
@@ -91,8 +84,8 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     rank = int(os.environ.get("RANK", "0"))
     for round_index in range(args.rounds):
-        for name, save in variants.items():
-            folder = root / f"r{round_index}-{name.split()[0]}-{name.split()[1]}"
+        for index, (name, save) in enumerate(variants.items()):
+            folder = root / f"r{round_index}-{index}"
             torch.distributed.barrier() if torch.distributed.is_initialized() else None
             start = time.perf_counter()
             measured = save(folder)

@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_accel._accelerator.module import AcceleratedModule
 from lightning_accel._accelerator.prepared import PreparedObjects
 from lightning_accel.checkpoint import state_files
-from lightning_accel.checkpoint.background import BackgroundSave, host_copy
+from lightning_accel.checkpoint.background import BackgroundSave, HostBuffers, host_copy
 from lightning_accel.checkpoint.engines import EngineCheckpoint
 from lightning_accel.checkpoint.folders import (
     SaveTarget,
@@ -37,7 +37,7 @@ from lightning_accel.checkpoint.folders import (
     stage,
 )
 from lightning_accel.checkpoint.loader_states import loader_positions, save_loader_states
-from lightning_accel.checkpoint.manifest import verify_manifest, write_manifest
+from lightning_accel.checkpoint.manifest import ChecksumName, Checksums, verify_manifest, write_manifest
 from lightning_accel.checkpoint.node_copies import complete_on_each_node
 from lightning_accel.checkpointing import accelerate_sampler, save_custom_state, shard_state_dict
 from lightning_accel.checkpointing import save_model as write_model_files
@@ -46,7 +46,7 @@ from lightning_accel.lightning_compat import fabric_forward_module
 from lightning_accel.state.shared_errors import raise_on_every_process, require_every_process, run_where
 from lightning_accel.utils.constants import OPTIMIZER_NAME, SCHEDULER_NAME
 from lightning_accel.utils.modeling.offloaded import get_state_dict_offloaded_model, has_offloaded_params
-from lightning_accel.utils.other import extract_model_from_parallel, save
+from lightning_accel.utils.other import extract_model_from_parallel, observing_writes, save
 
 if TYPE_CHECKING:
     import torch
@@ -203,7 +203,8 @@ class Checkpoints:
         self._save_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._pending: BackgroundSave | None = None
-        self._checksums = True  # the last save_state's choice, which its publication follows
+        self._host_buffers = HostBuffers()  # an asynchronous save's host copy, kept for the next one
+        self._checksums = Checksums()  # the last save's: its writers record into it, its publication reads it
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Add ``objects`` to what ``save_state`` saves (see ``Accelerator.register_for_checkpointing``)."""
@@ -284,18 +285,18 @@ class Checkpoints:
         *,
         step: int,
         async_save: bool,
-        checksums: bool,
+        checksum: ChecksumName | None,
         engine_kwargs: dict[str, Any],
     ) -> str:
         """Write the checkpoint folder (see :meth:`lightning_accel.Accelerator.save_state`); returns its path.
 
-        ``step`` is the ``Accelerator``'s micro-step counter, saved with this process's random states; ``checksums``
-        puts the files' sha256 into the manifest (see :mod:`lightning_accel.checkpoint.manifest`). With
+        ``step`` is the ``Accelerator``'s micro-step counter, saved with this process's random states; ``checksum``
+        is the manifest's algorithm (see :mod:`lightning_accel.checkpoint.manifest`). With
         ``async_save`` the state is copied into host memory and written by a thread (see
         :mod:`lightning_accel.checkpoint.background`); a save still pending is finished first.
         """
         self.wait_for_checkpoint()
-        self._checksums = checksums
+        self._checksums = Checksums(checksum)
         engine = self._engine(engine_kwargs)
         if async_save and engine is not None:
             raise ValueError(
@@ -314,6 +315,11 @@ class Checkpoints:
         if pending is not None:
             pending.finish()
 
+    def end(self) -> None:
+        """Finish the pending background save and give back the host memory kept for the next one."""
+        self.wait_for_checkpoint()
+        self._host_buffers.release()
+
     def _save_alone(
         self, output_dir: str | os.PathLike[str] | None, safe_serialization: bool, step: int, background: bool
     ) -> str:
@@ -331,7 +337,7 @@ class Checkpoints:
             def write() -> None:
                 with abandon_on_error(target.temporary):
                     self._write_staged(target.temporary, staged, safe_serialization)
-                    write_manifest(target.temporary, checksums=self._checksums)
+                    write_manifest(target.temporary, self._checksums)
 
             self._run(write, lambda: publish(target), background=background, together=False, what=str(final))
         else:
@@ -440,10 +446,14 @@ class Checkpoints:
             process_index=self._state.process_index,
             record=state_files.process_record(step, loader_positions(self._prepared.dataloaders)),
         )
-        return host_copy(staged) if background else staged
+        return host_copy(staged, self._host_buffers) if background else staged
 
     def _write_staged(self, folder: Path, staged: _Staged, safe_serialization: bool) -> None:
         """Write what :meth:`_stage` took: the shared files (where this process writes them), its random states."""
+        with observing_writes(self._checksums):
+            self._write_staged_files(folder, staged, safe_serialization)
+
+    def _write_staged_files(self, folder: Path, staged: _Staged, safe_serialization: bool) -> None:
         if staged.shared:
             state_files.write_shared_files(
                 folder,
@@ -572,11 +582,11 @@ class Checkpoints:
         return bool(numbered_checkpoints(Path(config.project_dir) / "checkpoints"))
 
 
-def _publish_with_manifest(target: SaveTarget, checksums: bool) -> None:
+def _publish_with_manifest(target: SaveTarget, checksums: Checksums) -> None:
     """Record the folder's files in its manifest, then publish it (a no-op where another process published it)."""
     if target.temporary.is_dir():
         with abandon_on_error(target.temporary):
-            write_manifest(target.temporary, checksums=checksums)
+            write_manifest(target.temporary, checksums)
     publish(target)
 
 

@@ -9,7 +9,9 @@ into ``unexpected pos 19712 vs 19600``, and safetensors into ``I/O error ... (os
 :func:`writing` turns it into a :class:`CheckpointWriteError`: an ``OSError`` with the same ``errno`` whose message
 names the file, the folder, the cause (``ENOSPC``, ``EFBIG``, ``EDQUOT``) and what to do. Where a writer we do not
 control failed (DeepSpeed's and DCP's files), :func:`write_error` finds the cause from the machine (free space, the
-process's file size limit) and the file from the folder (the one written last).
+process's file size limit) and the file from the folder (the one written last). Inside :func:`observing_writes` the
+two writers show every file to a :class:`WriteObserver` (the checkpoint manifest checksums the bytes as they are
+written, instead of reading the files back).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from types import MethodType
-from typing import IO, Any, cast
+from typing import IO, Any, BinaryIO, Protocol, cast
 
 import numpy as np
 import torch
@@ -43,6 +46,7 @@ __all__ = [
     "TORCH_SAFE_GLOBALS",
     "CheckpointWriteError",
     "UnsafeCheckpointError",
+    "WriteObserver",
     "check_os_kernel",
     "clean_state_dict_for_safetensors",
     "compile_regions",
@@ -62,6 +66,7 @@ __all__ = [
     "load",
     "merge_dicts",
     "model_has_dtensor",
+    "observing_writes",
     "recursive_getattr",
     "safetensors_save",
     "save",
@@ -200,11 +205,39 @@ def writing(path: Path) -> Iterator[None]:
         raise named from error
 
 
+class WriteObserver(Protocol):
+    """What sees the files :func:`torch_save` and :func:`safetensors_save` write inside :func:`observing_writes`."""
+
+    def stream(self, path: Path, file: BinaryIO) -> BinaryIO:
+        """The file object to write ``path``'s bytes through (it passes them on to ``file``)."""
+        ...
+
+    def written(self, path: Path) -> None:
+        """``path`` is complete (written through :meth:`stream`, or by a library that writes the file itself)."""
+        ...
+
+
+_OBSERVER: ContextVar[WriteObserver | None] = ContextVar("lightning_accel_write_observer", default=None)
+
+
+@contextmanager
+def observing_writes(observer: WriteObserver) -> Iterator[None]:
+    """Show ``observer`` every file the package's writers write in this context (this thread's, not its children)."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
 def torch_save(obj: object, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj, path)``, a failure named by :func:`writing`."""
     target = Path(path)
+    observer = _OBSERVER.get()
     with writing(target), open(target, "wb") as file:
-        torch.save(obj, file)
+        torch.save(obj, file if observer is None else observer.stream(target, file))
+    if observer is not None:
+        observer.written(target)
 
 
 def safetensors_save(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
@@ -214,6 +247,8 @@ def safetensors_save(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
     target = Path(path)
     with writing(target):
         save_file(dict(tensors), os.fspath(target), metadata={"format": "pt"})
+    if (observer := _OBSERVER.get()) is not None:
+        observer.written(target)
 
 
 # --- Accelerate's helpers ---------------------------------------------------------------------------------------------

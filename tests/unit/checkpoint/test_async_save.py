@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_accel import Accelerator
+from lightning_accel.checkpoint.background import HostBuffers, host_copy
 from lightning_accel.checkpoint.manifest import MANIFEST_NAME
 from lightning_accel.utils import ProjectConfiguration, set_seed
 from lightning_accel.utils.other import CheckpointWriteError
@@ -72,6 +73,48 @@ def test_an_async_save_writes_the_synchronous_files_and_resumes_to_the_same_weig
     for name, tensor in uninterrupted.items():
         assert torch.equal(resumed_async[name], tensor), name
         assert torch.equal(resumed_sync[name], tensor), name
+
+
+def _saves_every_step(root: Path, *, async_save: bool) -> list[Path]:
+    reset_accelerator_states()
+    set_seed(0)
+    config = ProjectConfiguration(project_dir=str(root), automatic_checkpoint_naming=True)
+    accelerator = Accelerator(cpu=True, project_config=config)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    folders = []
+    for step in range(3):
+        folders.append(Path(accelerator.save_state(async_save=async_save)))
+        accelerator.backward(model(torch.full((4, 16), float(step))).pow(2).mean())
+        optimizer.step()
+    accelerator.end_training()
+    return folders
+
+
+def test_saves_that_reuse_the_last_host_copy_write_each_its_own_step(tmp_path: Path) -> None:
+    asynchronous = _saves_every_step(tmp_path / "async", async_save=True)
+    synchronous = _saves_every_step(tmp_path / "sync", async_save=False)
+    assert [f.name for f in asynchronous] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    digests = [_digests(folder) for folder in asynchronous]
+    assert digests == [_digests(folder) for folder in synchronous]
+    assert digests[0]["optimizer.bin"] != digests[1]["optimizer.bin"] != digests[2]["optimizer.bin"]
+
+
+def test_host_buffers_copy_into_the_last_copys_storages_where_the_sizes_match() -> None:
+    buffers = HostBuffers()
+    weight, tied = torch.zeros(8), torch.ones(3)
+    state = {"a": weight, "a_view": weight[2:4], "b": tied}
+    first = host_copy(state, buffers)
+    weight.add_(5)
+    second = host_copy(state, buffers)
+    assert second["a"].untyped_storage().data_ptr() == first["a"].untyped_storage().data_ptr()
+    assert second["a_view"].untyped_storage().data_ptr() == second["a"].untyped_storage().data_ptr()
+    assert torch.equal(second["a"], torch.full((8,), 5.0)) and torch.equal(second["b"], tied)
+    grown = host_copy({"a": torch.zeros(9), "b": tied}, buffers)
+    assert grown["a"].untyped_storage().data_ptr() != first["a"].untyped_storage().data_ptr()
+    assert grown["b"].untyped_storage().data_ptr() == first["b"].untyped_storage().data_ptr()
+    buffers.release()
+    assert host_copy(state, buffers)["b"].untyped_storage().data_ptr() != first["b"].untyped_storage().data_ptr()
 
 
 def test_a_background_error_is_raised_by_the_next_call_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:

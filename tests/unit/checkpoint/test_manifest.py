@@ -1,13 +1,14 @@
 """``checkpoint_manifest.json``: what ``save_state`` wrote, checked by ``load_state`` before anything is read.
 
-The sizes and digests are recomputed here with ``hashlib`` directly; a flipped byte, a truncated file and a missing one
-are each refused naming the file; a folder HF accelerate 1.15 wrote (no manifest) loads as before.
+The sizes and checksums are recomputed here with ``zlib`` and ``hashlib`` directly; a flipped byte, a truncated file
+and a missing one are each refused naming the file; a folder HF accelerate 1.15 wrote (no manifest) loads as before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from pathlib import Path
 
 import accelerate
@@ -15,29 +16,66 @@ import pytest
 import torch
 
 from lightning_accel import Accelerator
-from lightning_accel.checkpoint.manifest import MANIFEST_NAME, CheckpointIntegrityError, verify_manifest
+from lightning_accel.checkpoint.manifest import (
+    MANIFEST_NAME,
+    CheckpointIntegrityError,
+    Checksums,
+    verify_manifest,
+    write_manifest,
+)
 from lightning_accel.utils import ProjectConfiguration
+from lightning_accel.utils.other import observing_writes, safetensors_save, torch_save
 from tests.helpers import reset_accelerator_states
 
 
-def _saved(root: Path) -> tuple[Accelerator, Path]:
+def _saved(root: Path, **save: str) -> tuple[Accelerator, Path]:
     config = ProjectConfiguration(project_dir=str(root), automatic_checkpoint_naming=True)
     accelerator = Accelerator(cpu=True, project_config=config)
     model = torch.nn.Linear(32, 32)
     accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
-    return accelerator, Path(accelerator.save_state())
+    return accelerator, Path(accelerator.save_state(**save))
 
 
-def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path: Path) -> None:
-    _, folder = _saved(tmp_path)
+@pytest.mark.parametrize(
+    ("save", "algorithm"),
+    [({}, "crc32"), ({"checksum": "sha256"}, "sha256")],
+    ids=["crc32 by default", "sha256"],
+)
+def test_the_manifest_lists_every_file_with_its_size_and_checksum(
+    tmp_path: Path, save: dict[str, str], algorithm: str
+) -> None:
+    _, folder = _saved(tmp_path, **save)
     recorded = json.loads((folder / MANIFEST_NAME).read_text())
     files = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST_NAME)
     assert files == ["model.safetensors", "optimizer.bin", "random_states_0.pkl"]
     assert sorted(recorded["files"]) == files
     for name in files:
         data = (folder / name).read_bytes()
-        assert recorded["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        digest = f"{zlib.crc32(data):08x}" if algorithm == "crc32" else hashlib.sha256(data).hexdigest()
+        assert recorded["files"][name] == {"size": len(data), algorithm: digest}, name
     assert verify_manifest(folder) is True
+
+
+def test_a_file_rewritten_after_its_writer_recorded_it_is_checksummed_as_it_is_now(tmp_path: Path) -> None:
+    checksums = Checksums()
+    big = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB: hashed on the side while written
+    with observing_writes(checksums):
+        torch_save(big, tmp_path / "streamed.bin")
+        safetensors_save(big, tmp_path / "read_back.safetensors")
+    (tmp_path / "streamed.bin").write_bytes(b"rewritten by someone else")
+    write_manifest(tmp_path, checksums)
+    recorded = json.loads((tmp_path / MANIFEST_NAME).read_text())["files"]
+    for name in ("streamed.bin", "read_back.safetensors"):
+        assert recorded[name]["crc32"] == f"{zlib.crc32((tmp_path / name).read_bytes()):08x}", name
+    assert verify_manifest(tmp_path) is True
+
+
+def test_an_unknown_checksum_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"checksum='md5' is not a checksum this package writes: use 'crc32'"):
+        accelerator.save_state(tmp_path / "ckpt", checksum="md5")  # type: ignore[arg-type]
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_flipped_byte_is_refused_naming_the_file(tmp_path: Path) -> None:
@@ -92,9 +130,9 @@ def test_a_folder_written_by_hf_accelerate_has_no_manifest_and_loads(tmp_path: P
 def test_without_checksums_the_manifest_records_sizes_and_still_finds_a_truncated_file(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True)
     accelerator.prepare(torch.nn.Linear(32, 32))
-    folder = Path(accelerator.save_state(tmp_path / "ckpt", checksums=False))
+    folder = Path(accelerator.save_state(tmp_path / "ckpt", checksum=None))
     recorded = json.loads((folder / MANIFEST_NAME).read_text())["files"]
-    assert {name: entry["sha256"] for name, entry in recorded.items()} == dict.fromkeys(recorded)
+    assert all(set(entry) == {"size"} for entry in recorded.values()), recorded
     assert recorded["model.safetensors"]["size"] == (folder / "model.safetensors").stat().st_size
     weights = folder / "model.safetensors"
     data = bytearray(weights.read_bytes())
