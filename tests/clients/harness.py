@@ -172,7 +172,7 @@ def load_result(work: Path, side: str, run: str) -> dict[str, Any]:
 def checkpoint_files(folder: Path) -> list[str]:
     """The files under a checkpoint ``folder`` (relative paths) that both sides write.
 
-    ``save_state`` of ours adds ``checkpoint_manifest.json`` (sizes and sha256 of the files, checked on load), which
+    ``save_state`` of ours adds ``checkpoint_manifest.json`` (sizes and checksums of the files, checked on load), which
     HF accelerate has no counterpart of; every other file must match.
     """
     return sorted(
