@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -30,24 +30,38 @@ _T = TypeVar("_T")
 def host_copy(obj: _T) -> _T:
     """``obj`` with every tensor copied into host memory, aliases kept, and every other leaf deep-copied.
 
-    Tensors that share a storage (tied weights, views) share the copy of it, so a writer that keeps one name per
-    storage (safetensors) writes what it would have written from the originals.
+    Tensors that share a storage (tied weights, views) share the copy of it, as ``torch.save`` sees storages (one
+    per storage object, empty ones included), so a writer that keeps one name per storage (safetensors) writes what it
+    would have written from the originals. Each copy keeps what ``torch.save`` records of its tensor besides the
+    data: ``requires_grad``, being a ``Parameter``, and its Python attributes, so that the files written from the
+    copies are byte for byte those written from the originals.
     """
     storages: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    originals: list[torch.Tensor] = []  # kept alive, so that their ids stay theirs until the copy is done
     copies: dict[int, torch.Tensor] = {}
 
     def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
         detached = tensor.detach()
         source = detached.untyped_storage()
-        key = (detached.device, source.data_ptr())
+        key = (detached.device, source._cdata)
         if key not in storages:
             storages[key] = source.cpu() if detached.device.type != "cpu" else source.clone()
         copied = torch.empty(0, dtype=detached.dtype)
-        copies[id(tensor)] = copied.set_(storages[key], detached.storage_offset(), detached.size(), detached.stride())
+        copied.set_(storages[key], detached.storage_offset(), detached.size(), detached.stride())
+        if isinstance(tensor, torch.nn.Parameter):
+            copied = torch.nn.Parameter(copied, requires_grad=tensor.requires_grad)
+        else:
+            copied.requires_grad_(tensor.requires_grad)
+        originals.append(tensor)
+        copies[id(tensor)] = copied
         return tensor
 
     apply_to_collection(obj, torch.Tensor, copy_tensor)
-    return copy.deepcopy(obj, memo=dict(copies))  # every tensor found above is taken from ``copies``
+    memo: dict[int, Any] = dict(copies)
+    for tensor in originals:
+        if tensor.__dict__:
+            copies[id(tensor)].__dict__.update(copy.deepcopy(tensor.__dict__, memo))
+    return copy.deepcopy(obj, memo=memo)  # every tensor found above is taken from ``copies``
 
 
 class BackgroundSave:
