@@ -8,6 +8,11 @@ the weights meanwhile: the files hold the state at the call. Where every process
 published by :meth:`BackgroundSave.finish`, the collective that the next ``save_state``, ``load_state``,
 ``end_training`` or ``wait_for_checkpoint`` runs first. A save killed in the background leaves only the temporary
 folder, which no loader lists and the next save removes.
+
+Sharded engines stage on every process too (their gathers run in ``save_state``'s call), and their threads do file
+I/O, except ``torch.distributed.checkpoint``'s planning and metadata (FSDP's sharded state dicts): those collectives
+run on :func:`background_group`, a gloo group of their own, as ``torch.distributed.checkpoint.async_save`` advises, so
+that they never interleave with training's collectives on the default group.
 """
 
 from __future__ import annotations
@@ -15,16 +20,36 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_accel.state.shared_errors import raise_on_every_process
 
-__all__ = ["BackgroundSave", "host_copy"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["BackgroundSave", "background_group", "host_copy"]
 
 _T = TypeVar("_T")
+_GROUPS: dict[int, tuple[ProcessGroup, ProcessGroup]] = {}  # id(default group) -> (it, its background group)
+
+
+def background_group() -> ProcessGroup:
+    """A gloo group of every process for the collectives of background saves, apart from training's.
+
+    Collective the first time under a default group (every process creates it, in the same order as its other
+    groups); the same group afterwards, until the default group is destroyed and another made.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    default = _get_default_group()
+    cached = _GROUPS.get(id(default))
+    if cached is None or cached[0] is not default:
+        cached = _GROUPS[id(default)] = (default, cast("ProcessGroup", dist.new_group(backend="gloo")))
+    return cached[1]
 
 
 def host_copy(obj: _T) -> _T:
