@@ -137,8 +137,26 @@ def write_state(
     import torch.distributed.checkpoint as dcp
 
     files.sharded.mkdir(parents=True, exist_ok=True)
-    dcp.save({files.kind: state}, storage_writer=dcp.FileSystemWriter(files.sharded), process_group=group)
+    try:
+        dcp.save({files.kind: state}, storage_writer=dcp.FileSystemWriter(files.sharded), process_group=group)
+    except dcp.api.CheckpointException as error:
+        raise _shard_failure(error, files.sharded, rank) from error
     return files.sharded
+
+
+def _shard_failure(error: BaseException, directory: Path, rank: int) -> BaseException:
+    """What a failed DCP save raises on process ``rank``: its own failure, or an error naming the process that failed.
+
+    DCP raises its ``CheckpointException`` on every process, a ``BaseException`` that handlers of ``Exception`` (the
+    removal of a failed save's folder, the naming of a full disk) let pass.
+    """
+    failures: dict[int, tuple[BaseException, Any]] = getattr(error, "failures", {})
+    if rank in failures:
+        return failures[rank][0]
+    if not failures:
+        return RuntimeError(f"torch.distributed.checkpoint could not write {directory}: {error}")
+    first, (failure, _) = min(failures.items(), key=lambda item: item[0])
+    return RuntimeError(f"Process {first} could not write its shard of {directory}: {failure!r}")
 
 
 def _dcp_read(directory: Path, key: str, shards: Any, weights_only: bool, flatten: bool = True) -> Any:

@@ -9,12 +9,15 @@ weights, resumes from the latest checkpoint of each and trains the last 4. Each 
 ``--phase kill``: a ~170 MB model saves ``checkpoint_0``, changes its weights, and every process kills itself (SIGKILL)
 once the background write of ``checkpoint_1`` has begun. ``--phase after_kill``: what the kill left, a fresh run's
 (other initial weights) ``load_state()`` and its next ``save_state()``; each rank writes ``after_kill_rank{r}.pt``.
+``--phase failing``: process 1's background write of ``checkpoint_1`` fails (file size limit); what each process's
+next call raised and what ``load_state()`` then loads go into ``failing_rank{r}.pt``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import threading
 import time
@@ -126,6 +129,31 @@ def kill(variant: str, root: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def failing(variant: str, root: Path, out: Path) -> None:
+    """Process 1's background write fails (file size limit): the next call raises it on both, checkpoint_0 stays."""
+    accelerator, model = big(variant, root, seed=0)
+    accelerator.save_state()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if accelerator.process_index == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16_384, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    accelerator.save_state(async_save=True)  # returns; the write fails later
+    raised = None
+    try:
+        accelerator.wait_for_checkpoint()
+    except Exception as error:
+        raised = f"{type(error).__name__}: {error}"
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    left = sorted(path.name for path in (root / "checkpoints").iterdir())
+    accelerator.wait_for_everyone()
+    loaded = accelerator.load_state()
+    state = weights(accelerator, model)
+    result = {"raised": raised, "left": left, "loaded": loaded, "weights": state}
+    torch.save(result, out / f"failing_rank{accelerator.process_index}.pt")
+
+
 def after_kill(variant: str, root: Path, out: Path) -> None:
     accelerator, model = big(variant, root, seed=1)  # checkpoint_0 holds seed 0's weights
     left = sorted(path.name for path in (root / "checkpoints").iterdir())
@@ -143,13 +171,15 @@ def after_kill(variant: str, root: Path, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phase", choices=["compare", "kill", "after_kill"], required=True)
+    parser.add_argument("--phase", choices=["compare", "kill", "after_kill", "failing"], required=True)
     parser.add_argument("--variants", nargs="*", default=ASYNC_VARIANTS)
     args = parser.parse_args()
     if args.phase == "compare":
         compare(args.out, args.variants)
     elif args.phase == "kill":
         kill(args.variants[0], args.out / "killed")
+    elif args.phase == "failing":
+        failing(args.variants[0], args.out / "failing", args.out)
     else:
         after_kill(args.variants[0], args.out / "killed", args.out)
     Accelerator(cpu=True).end_training()

@@ -3,7 +3,8 @@
 At 2 CPU processes (``tests/scripts/accelerator_async_engine_ckpt.py``): the background save writes the files of a
 synchronous save at the same step, though the model was stepped before the thread wrote a byte; a run resumed from it
 ends bit for bit where a run resumed from the synchronous one ends (and where the uninterrupted run ends); a save
-killed (SIGKILL) during its background write leaves the previous checkpoint the one ``load_state()`` picks.
+killed (SIGKILL) during its background write, or whose write fails on one process, leaves the previous checkpoint the
+one ``load_state()`` picks (the failure raised on every process by the next call).
 """
 
 from __future__ import annotations
@@ -153,6 +154,22 @@ def test_a_save_killed_in_its_background_write_is_never_loaded(tmp_path: Path, v
     first = torch.nn.Linear(1024, 1024)
     assert torch.equal(main["weights"]["0.weight"], first.weight.detach())
     assert main["after"] == ["checkpoint_0", "checkpoint_1"]  # the next save took the name and cleared the rest
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("variant", ["fsdp2_sharded", "zero2"])
+def test_a_background_write_failing_on_one_process_is_raised_on_both(tmp_path: Path, variant: str) -> None:
+    torchrun(SCRIPT, "--out", str(tmp_path), "--variants", variant, "--phase", "failing", timeout=300)
+    results = load_rank_results(tmp_path)["failing"]
+    checkpoints = tmp_path / "failing" / "checkpoints"
+    for result in results:
+        assert result["raised"] is not None  # wait_for_checkpoint raised it on both processes
+        assert result["left"] == ["checkpoint_0"]  # the failed save's folder is gone
+        assert result["loaded"] == str(checkpoints / "checkpoint_0")
+    if variant == "fsdp2_sharded":  # DCP's CheckpointException (a BaseException) is raised as the shard's failure
+        assert results[0]["raised"].startswith("RuntimeError: Process 1 could not write its shard of"), results[0]
+    torch.manual_seed(0)
+    assert torch.equal(results[0]["weights"]["0.weight"], torch.nn.Linear(1024, 1024).weight.detach())
 
 
 class _InTheCallOnly(EngineCheckpoint):
