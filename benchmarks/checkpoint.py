@@ -11,6 +11,11 @@ variant's ratio to raw ``torch.save``.
 
     python benchmarks/checkpoint.py --rounds 5
     torchrun --nproc_per_node 2 benchmarks/checkpoint.py --rounds 5     # DDP: the main process writes the files
+    torchrun --nproc_per_node 2 benchmarks/checkpoint.py --rounds 3 --engine fsdp_sharded
+
+``--engine`` (``fsdp_full``, ``fsdp_sharded``: FSDP2 with that state-dict type; ``zero2``, ``zero3``: DeepSpeed) times
+ours alone, synchronous and async, under that engine (whose gathers are in the async call too), with ratios to our
+synchronous save.
 
 Run it from the repository root with ``PYTHONPATH=.`` (a script's own folder comes first on ``sys.path``).
 """
@@ -30,6 +35,14 @@ import torch
 from torch import nn
 
 import lightning_accel
+from lightning_accel.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+ENGINES: dict[str, Callable[[], dict[str, object]]] = {
+    "fsdp_full": lambda: {"fsdp_plugin": FullyShardedDataParallelPlugin(state_dict_type="FULL_STATE_DICT")},
+    "fsdp_sharded": lambda: {"fsdp_plugin": FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")},
+    "zero2": lambda: {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=2)},
+    "zero3": lambda: {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=3)},
+}
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -68,6 +81,25 @@ def _variants(root: Path) -> dict[str, Callable[[Path], float | None]]:
     }
 
 
+def _engine_variants(engine: str) -> dict[str, Callable[[Path], float | None]]:
+    """Ours under ``engine``: the same model, with AdamW's state after one step taken through the engine."""
+    ours = lightning_accel.Accelerator(cpu=True, **ENGINES[engine]())
+    torch.manual_seed(0)
+    model: nn.Module = nn.Sequential(*[nn.Linear(2000, 2000) for _ in range(15)])
+    if engine.startswith("fsdp"):  # FSDP shards first; the optimizer takes the sharded parameters
+        model = ours.prepare(model)
+        optimizer = ours.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    else:
+        model, optimizer = ours.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    ours.backward(model(torch.randn(4, 2000)).sum())
+    optimizer.step()
+    return {
+        "ours sync": lambda folder: ours.save_state(folder) and None,
+        "ours async (blocked)": lambda folder: ours.save_state(folder, async_save=True) and None,
+        "ours async (background)": lambda folder: _timed(ours.wait_for_checkpoint),
+    }
+
+
 def _timed(function: Callable[[], None]) -> float:
     start = time.perf_counter()
     function()
@@ -78,9 +110,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default=None, help="ours alone, under this engine")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))
-    variants = _variants(root)
+    variants = _variants(root) if args.engine is None else _engine_variants(args.engine)
     times: dict[str, list[float]] = {name: [] for name in variants}
     rank = int(os.environ.get("RANK", "0"))
     for round_index in range(args.rounds):
@@ -95,9 +128,11 @@ def main() -> None:
             if rank == 0 and entry.name.startswith(f"r{round_index}-"):
                 shutil.rmtree(entry, ignore_errors=True)
     if rank == 0:
-        raw = statistics.median(times["raw torch.save"])
+        reference = "raw torch.save" if args.engine is None else "ours sync"
+        raw = statistics.median(times[reference])
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        print(f"{world} process(es), {args.rounds} rounds, median seconds (ratio to raw torch.save):")
+        under = "" if args.engine is None else f", {args.engine}"
+        print(f"{world} process(es){under}, {args.rounds} rounds, median seconds (ratio to {reference}):")
         for name, values in times.items():
             median = statistics.median(values)
             print(f"  {name:26s} {median:7.3f} s  ({median / raw:5.2f}x)")

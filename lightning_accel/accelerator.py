@@ -1126,8 +1126,10 @@ class Accelerator:
         thread writes the files and the folder is published when they are complete (where every process saved
         together, by the next :meth:`wait_for_checkpoint`, which ``save_state``, ``load_state`` and ``end_training``
         call first). Training may go on meanwhile: the files hold the state at the call. An error in the background
-        is raised by that next call; a save killed in the background is never loaded or rotated. Not under FSDP and
-        DeepSpeed, whose engines write their own files.
+        is raised by that next call; a save killed in the background is never loaded or rotated. Under FSDP (full and
+        sharded state dicts) and DeepSpeed the engine's gathers and barriers run in the call, on every process, and
+        the thread writes the same files (FSDP's sharded ``torch.distributed.checkpoint`` saves plan over a gloo group
+        of their own); not under Megatron, nor with a DeepSpeed checkpoint writer other than ``torch.save``.
 
         The folder gets ``checkpoint_manifest.json`` (not in Accelerate): every file's size and checksum, which
         ``load_state`` checks first. ``checksum`` is CRC-32 by default, computed while the files are written (it

@@ -293,15 +293,16 @@ class Checkpoints:
         ``step`` is the ``Accelerator``'s micro-step counter, saved with this process's random states; ``checksum``
         is the manifest's algorithm (see :mod:`lightning_accel.checkpoint.manifest`). With
         ``async_save`` the state is copied into host memory and written by a thread (see
-        :mod:`lightning_accel.checkpoint.background`); a save still pending is finished first.
+        :mod:`lightning_accel.checkpoint.background`; a sharded engine stages its own, see
+        :meth:`EngineCheckpoint.stage`); a save still pending is finished first.
         """
         self.wait_for_checkpoint()
         self._checksums = Checksums(checksum)
         engine = self._engine(engine_kwargs)
-        if async_save and engine is not None:
+        if async_save and engine is not None and not engine.writes_in_background:
             raise ValueError(
                 f"save_state(async_save=True) is not available under {self._state.distributed_type}, whose engine"
-                " writes its own sharded files: save with async_save=False."
+                " writes its own sharded files in the call: save with async_save=False."
             )
         if engine is None and not self._project.automatic_checkpoint_naming:
             return self._save_alone(output_dir, safe_serialization, step, async_save)
@@ -376,15 +377,13 @@ class Checkpoints:
         target = SaveTarget(Path(chosen[0]))
         self._on_disk_managers(lambda: remove_stale(target), "save_state (clearing an interrupted save)")
         target.temporary.mkdir(parents=True, exist_ok=True)
-        if engine is not None:
-            with abandon_on_error(target.temporary):
-                engine.save(self._prepared.models, self._prepared.optimizers, target.temporary, **engine_kwargs)
-            self._state.wait_for_everyone()
+        write_engine = self._engine_files(engine, target.temporary, background, engine_kwargs)
         writer = self._state.is_local_main_process if config.save_on_each_node else self._state.is_main_process
         staged = self._stage(target.temporary, engine, step, shared=writer, background=background)
 
         def write() -> None:
             with abandon_on_error(target.temporary):
+                write_engine()
                 self._write_staged(target.temporary, staged, safe_serialization)
 
         self._run(
@@ -393,6 +392,24 @@ class Checkpoints:
         config.iteration += 1  # a background save counts at the call: the next one gets the next name
         self._write_own_folder(output_dir, target.final, step)
         return str(target.final)
+
+    def _engine_files(
+        self, engine: EngineCheckpoint | None, folder: Path, background: bool, engine_kwargs: dict[str, Any]
+    ) -> Callable[[], None]:
+        """Save the engine's models and optimizers into ``folder`` now, or stage them: what is left to write.
+
+        Collective. A synchronous save waits for every process here; a staged one leaves the engine's writing to the
+        background thread (see :meth:`EngineCheckpoint.stage`).
+        """
+        if engine is None:
+            return lambda: None
+        models, optimizers = self._prepared.models, self._prepared.optimizers
+        with abandon_on_error(folder):
+            if background:
+                return engine.stage(models, optimizers, folder, **engine_kwargs)
+            engine.save(models, optimizers, folder, **engine_kwargs)
+        self._state.wait_for_everyone()
+        return lambda: None
 
     def _publish_together(self, target: SaveTarget) -> None:
         """Every process: give a folder that every process wrote its name (each node's), then rotate."""

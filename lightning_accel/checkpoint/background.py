@@ -8,6 +8,11 @@ the weights meanwhile: the files hold the state at the call. Where every process
 published by :meth:`BackgroundSave.finish`, the collective that the next ``save_state``, ``load_state``,
 ``end_training`` or ``wait_for_checkpoint`` runs first. A save killed in the background leaves only the temporary
 folder, which no loader lists and the next save removes.
+
+Sharded engines stage on every process too (their gathers run in ``save_state``'s call), and their threads do file
+I/O, except ``torch.distributed.checkpoint``'s planning and metadata (FSDP's sharded state dicts): those collectives
+run on :func:`background_group`, a gloo group of their own, as ``torch.distributed.checkpoint.async_save`` advises, so
+that they never interleave with training's collectives on the default group.
 """
 
 from __future__ import annotations
@@ -15,16 +20,36 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_accel.state.shared_errors import raise_on_every_process
 
-__all__ = ["BackgroundSave", "HostBuffers", "host_copy"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["BackgroundSave", "HostBuffers", "background_group", "host_copy"]
 
 _T = TypeVar("_T")
+_GROUPS: dict[int, tuple[ProcessGroup, ProcessGroup]] = {}  # id(default group) -> (it, its background group)
+
+
+def background_group() -> ProcessGroup:
+    """A gloo group of every process for the collectives of background saves, apart from training's.
+
+    Collective the first time under a default group (every process creates it, in the same order as its other
+    groups); the same group afterwards, until the default group is destroyed and another made.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    default = _get_default_group()
+    cached = _GROUPS.get(id(default))
+    if cached is None or cached[0] is not default:
+        cached = _GROUPS[id(default)] = (default, cast("ProcessGroup", dist.new_group(backend="gloo")))
+    return cached[1]
 
 
 class HostBuffers:
@@ -65,28 +90,39 @@ def _host_storage(like: torch.UntypedStorage) -> torch.UntypedStorage:
 def host_copy(obj: _T, buffers: HostBuffers | None = None) -> _T:
     """``obj`` with every tensor copied into host memory, aliases kept, and every other leaf deep-copied.
 
-    Tensors that share a storage (tied weights, views) share the copy of it, so a writer that keeps one name per
-    storage (safetensors) writes what it would have written from the originals. With ``buffers``, the copy goes into
-    the storages a previous copy left there (see :class:`HostBuffers`).
+    Tensors that share a storage (tied weights, views) share the copy of it, as ``torch.save`` sees storages (one
+    per storage object, empty ones included), so a writer that keeps one name per storage (safetensors) writes what it
+    would have written from the originals. Each copy keeps what ``torch.save`` records of its tensor besides the
+    data: ``requires_grad``, being a ``Parameter``, and its Python attributes, so that the files written from the
+    copies are byte for byte those written from the originals. With ``buffers``, the copy goes into the storages a
+    previous copy left there (see :class:`HostBuffers`).
     """
     sources: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
-    tensors: list[tuple[torch.Tensor, tuple[torch.device, int]]] = []
+    tensors: list[tuple[torch.Tensor, tuple[torch.device, int]]] = []  # the originals kept alive: their ids stay
 
     def find_storage(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.detach().untyped_storage()
-        key = (tensor.device, storage.data_ptr())
+        key = (tensor.device, storage._cdata)
         sources.setdefault(key, storage)
         tensors.append((tensor, key))
         return tensor
 
     apply_to_collection(obj, torch.Tensor, find_storage)
-    copied = (buffers or HostBuffers()).copy(list(sources.values()))
-    storage_copies = dict(zip(sources, copied, strict=True))
+    storage_copies = dict(zip(sources, (buffers or HostBuffers()).copy(list(sources.values())), strict=True))
     copies: dict[int, torch.Tensor] = {}
     for tensor, key in tensors:
-        view = torch.empty(0, dtype=tensor.dtype)
-        copies[id(tensor)] = view.set_(storage_copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
-    return copy.deepcopy(obj, memo=dict(copies))  # every tensor found above is taken from ``copies``
+        copied = torch.empty(0, dtype=tensor.dtype)
+        copied.set_(storage_copies[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+        if isinstance(tensor, torch.nn.Parameter):
+            copied = torch.nn.Parameter(copied, requires_grad=tensor.requires_grad)
+        else:
+            copied.requires_grad_(tensor.requires_grad)
+        copies[id(tensor)] = copied
+    memo: dict[int, Any] = dict(copies)
+    for tensor, _ in tensors:
+        if tensor.__dict__:
+            copies[id(tensor)].__dict__.update(copy.deepcopy(tensor.__dict__, memo))
+    return copy.deepcopy(obj, memo=memo)  # every tensor found above is taken from ``copies``
 
 
 class BackgroundSave:

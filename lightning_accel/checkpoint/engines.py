@@ -8,19 +8,26 @@ branches on the distributed type or the strategy class.
 FSDP's handler and layout are in :mod:`lightning_accel.checkpoint.fsdp_layout`. DeepSpeed: ``pytorch_model/``
 (``pytorch_model_{i}/``), written by the engine's ``save_checkpoint`` with that tag, with the ZeRO-partitioned
 optimizer state; DeepSpeed adds ``latest`` and ``zero_to_fp32.py`` next to it.
+
+A handler whose ``writes_in_background`` is true can also :meth:`~EngineCheckpoint.stage` a save: its collectives
+(gathers, DeepSpeed's barriers) run in the call and leave the state in host memory, and what it returns writes the
+same files later, from ``save_state(async_save=True)``'s thread (:mod:`lightning_accel.checkpoint.background`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from lightning.fabric.wrappers import _FabricModule
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accel.checkpoint.background import host_copy
 from lightning_accel.lightning_compat import fabric_forward_module, get_original_module
 from lightning_accel.utils.constants import MODEL_NAME
 from lightning_accel.utils.modeling.checkpoint import check_deepspeed_files
@@ -84,9 +91,27 @@ class EngineCheckpoint(ABC):
     Every method is collective: all processes call it, with the same arguments.
     """
 
+    writes_in_background: ClassVar[bool] = False
+    """Whether :meth:`stage` splits a save into the call's collectives and a later write (``async_save``)."""
+
     @abstractmethod
     def save(self, models: Sequence[Module], optimizers: Sequence[Any], target: Path, **kwargs: Any) -> None:
         """Write the prepared ``models`` and ``optimizers`` into ``target`` (which exists)."""
+
+    def stage(
+        self, models: Sequence[Module], optimizers: Sequence[Any], target: Path, **kwargs: Any
+    ) -> Callable[[], None]:
+        """Take what :meth:`save` writes into host memory now; return the writing, for a background thread.
+
+        The returned call writes the files :meth:`save` writes, as they were at this call. It runs no collective on
+        the default process group (only on :func:`~lightning_accel.checkpoint.background.background_group`), so
+        training may go on meanwhile.
+
+        Raises:
+            NotImplementedError: Where ``writes_in_background`` is false (``save_state`` refuses before).
+
+        """
+        raise NotImplementedError(f"{type(self).__name__} writes its checkpoints in the call only")
 
     @abstractmethod
     def load(
@@ -123,13 +148,40 @@ def refuse_options(engine: str, options: dict[str, Any]) -> None:
 
 
 class DeepSpeedCheckpoint(EngineCheckpoint):
-    """DeepSpeed's own checkpoint directories, one per engine (tags ``pytorch_model``, ``pytorch_model_1``, ...)."""
+    """DeepSpeed's own checkpoint directories, one per engine (tags ``pytorch_model``, ``pytorch_model_1``, ...).
+
+    In the background (:meth:`stage`), ``save_checkpoint`` runs in the call with its checkpoint engine's writes
+    deferred: each state it hands to ``checkpoint_engine.save`` is copied into host memory, and the thread saves the
+    copies through that engine (``torch.save``, as in the call) and commits. DeepSpeed's small files (``latest``,
+    ``zero_to_fp32.py``) are written in the call.
+    """
+
+    writes_in_background: ClassVar[bool] = True
 
     def save(self, models: Sequence[Module], optimizers: Sequence[Any], target: Path, **kwargs: Any) -> None:
         """Call each engine's ``save_checkpoint(target, tag)``; ``kwargs`` go to it (``exclude_frozen_parameters``)."""
         for i, model in enumerate(models):
             engine: Any = engine_module(model)
             engine.save_checkpoint(str(target), tag=indexed_name(MODEL_NAME, i), **kwargs)
+
+    def stage(
+        self, models: Sequence[Module], optimizers: Sequence[Any], target: Path, **kwargs: Any
+    ) -> Callable[[], None]:
+        """Run each engine's ``save_checkpoint`` with its file writes deferred; return them.
+
+        Raises:
+            ValueError: For a checkpoint engine other than DeepSpeed's ``torch.save`` one (the decoupled, fast and
+                Nebula engines write in their own ways), before any engine saves.
+
+        """
+        engines: list[Any] = [engine_module(model) for model in models]
+        for engine in engines:
+            _refuse_own_writer(engine.checkpoint_engine)
+        writes: list[Callable[[], object]] = []
+        for i, engine in enumerate(engines):
+            with _deferred_writes(engine, writes):
+                engine.save_checkpoint(str(target), tag=indexed_name(MODEL_NAME, i), **kwargs)
+        return lambda: _run_all(writes)
 
     def load(
         self,
@@ -180,3 +232,47 @@ class DeepSpeedCheckpoint(EngineCheckpoint):
             )
         state = engine._zero3_consolidated_16bit_state_dict()
         return dict(state) if _is_main_process() else {}
+
+
+def _run_all(writes: Sequence[Callable[[], object]]) -> None:
+    for write in writes:
+        write()
+
+
+def _refuse_own_writer(checkpoint_engine: Any) -> None:
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    if type(checkpoint_engine) is not TorchCheckpointEngine:
+        raise ValueError(
+            f"save_state(async_save=True) defers the writes of DeepSpeed's TorchCheckpointEngine, but this engine"
+            f" writes with {type(checkpoint_engine).__name__} (its own way of writing): save with async_save=False,"
+            " or drop the checkpoint writer from the DeepSpeed config."
+        )
+
+
+class _DeferredWrites:
+    """A DeepSpeed checkpoint engine that copies each state it is to save into host memory and saves it later."""
+
+    def __init__(self, engine: Any, writes: list[Callable[[], object]]) -> None:
+        self._engine, self._writes = engine, writes
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self._writes.append(partial(self._engine.save, host_copy(state_dict), path))
+
+    def commit(self, info: Any) -> bool:
+        self._writes.append(partial(self._engine.commit, info))
+        return True
+
+    def __getattr__(self, name: str) -> Any:  # create, makedirs, is_decoupled, ...: the engine's own
+        return getattr(self._engine, name)
+
+
+@contextlib.contextmanager
+def _deferred_writes(engine: Any, writes: list[Callable[[], object]]) -> Iterator[None]:
+    """Within, ``engine.save_checkpoint`` appends its file writes to ``writes`` instead of writing."""
+    own = engine.checkpoint_engine
+    engine.checkpoint_engine = _DeferredWrites(own, writes)
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = own

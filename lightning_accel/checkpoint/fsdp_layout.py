@@ -26,20 +26,27 @@ unset) as well as Accelerate's, and prepared models and optimizers as well as th
 Under FSDP1 they use FSDP's ``state_dict_type`` context, as Accelerate does. One difference: on CPU full state dicts
 are not "offloaded to CPU" (with that option FSDP1 crashes gathering a model there, which is where Accelerate's
 full-state-dict save fails on CPU, and gathers an optimizer's state wrongly).
+
+In the background (:meth:`FSDPCheckpoint.stage`), the state dicts are gathered in the call and copied into host
+memory (a full one with :func:`~lightning_accel.checkpoint.background.host_copy`, shards with
+``torch.distributed.checkpoint``'s own stager, which keeps them ``DTensor``/``ShardedTensor``); the thread then writes
+them as :meth:`FSDPCheckpoint.save` does: ``torch.save`` on the main process, or ``torch.distributed.checkpoint.save``,
+whose planning and metadata collectives run on the background saves' own gloo group.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accel.checkpoint.background import background_group, host_copy
 from lightning_accel.checkpoint.engines import (
     EngineCheckpoint,
     check_present,
@@ -55,6 +62,9 @@ from lightning_accel.utils.modeling import is_peft_model
 from lightning_accel.utils.modeling.checkpoint import contained_reader, read_checkpoint_file, weights_only_planner
 from lightning_accel.utils.operations import _is_main_process, _process_rank
 from lightning_accel.utils.other import load, torch_save
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "FSDPCall",
@@ -105,8 +115,12 @@ class FSDPFiles:
         return self.root if self.root.name == self.sharded.name else self.sharded
 
 
-def write_state(state: Any, files: FSDPFiles, full: bool, rank: int, use_dcp: bool = True) -> Path | None:
+def write_state(
+    state: Any, files: FSDPFiles, full: bool, rank: int, use_dcp: bool = True, group: ProcessGroup | None = None
+) -> Path | None:
     """Write ``state``: one gathered file from process 0, a DCP directory, or (``use_dcp=False``) a file per process.
+
+    A DCP directory is planned over ``group`` (``None``: the default group).
 
     Returns:
         What this process wrote (``None`` where it writes nothing, or its share of a DCP directory).
@@ -123,8 +137,26 @@ def write_state(state: Any, files: FSDPFiles, full: bool, rank: int, use_dcp: bo
     import torch.distributed.checkpoint as dcp
 
     files.sharded.mkdir(parents=True, exist_ok=True)
-    dcp.save({files.kind: state}, storage_writer=dcp.FileSystemWriter(files.sharded))
+    try:
+        dcp.save({files.kind: state}, storage_writer=dcp.FileSystemWriter(files.sharded), process_group=group)
+    except dcp.api.CheckpointException as error:
+        raise _shard_failure(error, files.sharded, rank) from error
     return files.sharded
+
+
+def _shard_failure(error: BaseException, directory: Path, rank: int) -> BaseException:
+    """What a failed DCP save raises on process ``rank``: its own failure, or an error naming the process that failed.
+
+    DCP raises its ``CheckpointException`` on every process, a ``BaseException`` that handlers of ``Exception`` (the
+    removal of a failed save's folder, the naming of a full disk) let pass.
+    """
+    failures: dict[int, tuple[BaseException, Any]] = getattr(error, "failures", {})
+    if rank in failures:
+        return failures[rank][0]
+    if not failures:
+        return RuntimeError(f"torch.distributed.checkpoint could not write {directory}: {error}")
+    first, (failure, _) = min(failures.items(), key=lambda item: item[0])
+    return RuntimeError(f"Process {first} could not write its shard of {directory}: {failure!r}")
 
 
 def _dcp_read(directory: Path, key: str, shards: Any, weights_only: bool, flatten: bool = True) -> Any:
@@ -182,20 +214,55 @@ class FSDPCheckpoint(EngineCheckpoint):
     def _options(self, module: Module, kind: str) -> Any:
         return state_dict_options(module, self.full, self.configs[kind])
 
+    writes_in_background: ClassVar[bool] = True
+
     def save(self, models: Sequence[Module], optimizers: Sequence[Any], target: Path, **kwargs: Any) -> None:
         """Write each model and optimizer as shards (a directory each) or as one gathered file."""
         self._check(kwargs)
+        for state, files in self._states(models, optimizers, target):
+            write_state(state, files, self.full, _process_rank())
+
+    def stage(
+        self, models: Sequence[Module], optimizers: Sequence[Any], target: Path, **kwargs: Any
+    ) -> Callable[[], None]:
+        """Gather the state dicts :meth:`save` writes into host memory; return their writing.
+
+        The writing runs ``torch.distributed.checkpoint``'s collectives (sharded states) on
+        :func:`~lightning_accel.checkpoint.background.background_group`, made here where it is new.
+        """
+        self._check(kwargs)
+        group = None if self.full else background_group()
+        staged = [(self._host(state), files) for state, files in self._states(models, optimizers, target)]
+        rank = _process_rank()
+
+        def write() -> None:
+            for state, files in staged:
+                write_state(state, files, self.full, rank, group=group)
+
+        return write
+
+    def _host(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A host copy of a state dict: a gathered one's tensors, or shards as DCP's ``async_save`` stages them."""
+        if self.full:
+            return host_copy(state)
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        return dict(BlockingAsyncStager().stage(state))
+
+    def _states(
+        self, models: Sequence[Module], optimizers: Sequence[Any], target: Path
+    ) -> Iterator[tuple[dict[str, Any], FSDPFiles]]:
+        """Each model's then each optimizer's state dict (gathered: collective) with its files, one at a time."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         modules = [engine_module(m) for m in models]
         for i, module in enumerate(modules):
-            state = get_model_state_dict(module, options=self._options(module, "model"))
-            write_state(state, FSDPFiles(target, "model", i), self.full, _process_rank())
+            yield get_model_state_dict(module, options=self._options(module, "model")), FSDPFiles(target, "model", i)
         for i, optimizer in enumerate(optimizers):
             raw = torch_optimizer(optimizer)
             module = _owner(modules, raw)
-            optimizer_state = get_optimizer_state_dict(module, raw, options=self._options(module, "optimizer"))
-            write_state(optimizer_state, FSDPFiles(target, "optimizer", i), self.full, _process_rank())
+            state = get_optimizer_state_dict(module, raw, options=self._options(module, "optimizer"))
+            yield dict(state), FSDPFiles(target, "optimizer", i)
 
     def load(
         self,

@@ -68,13 +68,14 @@ HF_RUNS_ON_CPU = {"fsdp2_sharded", "fsdp2_full", "fsdp1_sharded"}
 HF_LOADS_OPTIMIZER = {"fsdp2_sharded", "fsdp2_full"}
 
 
-def setup(variant: str, seed: int) -> tuple[Accelerator, Any, Any, Any, Any]:
+def setup(variant: str, seed: int, **accelerator_kwargs: Any) -> tuple[Accelerator, Any, Any, Any, Any]:
     reset_state()
     accelerator = Accelerator(
         cpu=True,
         gradient_accumulation_steps=2,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=3),
         **VARIANTS[variant](),
+        **accelerator_kwargs,
     )
     torch.manual_seed(seed)
     model: Any = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))

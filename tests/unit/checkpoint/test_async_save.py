@@ -172,3 +172,30 @@ def test_a_save_killed_in_the_background_is_never_loaded(tmp_path: Path) -> None
     assert torch.equal(model.state_dict()["0.weight"], saved["0.weight"])
     accelerator.save_state()  # the next save takes the name and removes what the killed one left
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_0", "checkpoint_1"]
+
+
+def test_host_copies_are_saved_as_the_originals_byte_for_byte() -> None:
+    import io
+
+    from lightning_accel.checkpoint.background import host_copy
+
+    def saved(obj: object) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    layer = torch.nn.Linear(3, 3)
+    tagged = torch.ones(3)
+    tagged.ds_id = "0_3"  # an attribute torch.save records (DeepSpeed's flat groups carry one)
+    state = {
+        "parameter": layer.weight,  # a Parameter that requires grad (ZeRO's fp32 partitions)
+        "row": layer.weight[0],  # a view of it: one storage in the file
+        "grad": torch.ones(2, requires_grad=True),
+        "empty": [torch.empty(0), torch.empty(0)],  # two empty storages, not one (ZeRO-3's placeholders)
+        "tagged": tagged,
+        "other": {"step": 3},
+    }
+    copied = host_copy(state)
+    assert saved(copied) == saved(state)
+    assert copied["parameter"].untyped_storage().data_ptr() != layer.weight.untyped_storage().data_ptr()
+    assert copied["row"].untyped_storage().data_ptr() == copied["parameter"].untyped_storage().data_ptr()
