@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.lightning_compat import get_forward_redirection
-from lightning_accel.strategies.checkpoint_io import resolve_weights_only
+from lightning_accel.strategies.checkpoint_io import refuse_async_checkpoint_io, resolve_weights_only
 from lightning_accel.strategies.fsdp_core import FSDPFamily, checkpoint_value, load_target_error
 
 if TYPE_CHECKING:
@@ -33,6 +33,16 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as _TrainerBase
 else:
     _FabricBase = _TrainerBase = object
+
+
+def _refuse_async_sharded(checkpoint_io: CheckpointIO) -> None:
+    """Refuse a background ``CheckpointIO`` for a sharded checkpoint, which torch's DCP writes itself."""
+    refuse_async_checkpoint_io(
+        checkpoint_io,
+        "a sharded checkpoint (SHARDED_STATE_DICT: a folder written by torch.distributed.checkpoint)",
+        "Set FullyShardedDataParallelPlugin(state_dict_type='FULL_STATE_DICT') to write one file in the"
+        " background, or drop the asynchronous CheckpointIO from the plugins to save the shards synchronously.",
+    )
 
 
 class _HasCheckpointIO(Protocol):
@@ -133,8 +143,11 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
         Raises:
             TypeError: If ``storage_options`` are given for a sharded checkpoint, which ``CheckpointIO`` does not
                 write.
+            ValueError: If the checkpoint I/O saves in the background and the checkpoint is sharded.
 
         """
+        if not self._sharding.full_state_dict:
+            _refuse_async_sharded(self._full_checkpoint_io())
         path = Path(self.broadcast(filepath))
         if self._sharding.full_state_dict:
             if self.is_global_zero:
@@ -179,13 +192,16 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
 
         Raises:
             TypeError: If ``storage_options`` or ``filter`` are given.
-            ValueError: If ``state`` holds other than exactly one module.
+            ValueError: If ``state`` holds other than exactly one module, or the checkpoint I/O saves in the
+                background and the checkpoint is sharded.
 
         """
         if storage_options is not None or filter is not None:
             raise TypeError(
                 f"{self._checkpoint_label} checkpoints take neither `storage_options` nor `filter`; drop them."
             )
+        if not self._sharding.full_state_dict:
+            _refuse_async_sharded(self._full_checkpoint_io())
         path = Path(self.broadcast(path))
         io = self._sharding
         module = self._single_module(state)
