@@ -1,0 +1,164 @@
+"""Trainer and Fabric on ``acc_ddp`` (2 processes): every checkpoint saved synchronously, then in the background.
+
+Run under ``torch.distributed.run`` with 2 processes. The Trainer runs carry ``CheckpointRotation(total_limit=2)`` and
+``ModelCheckpoint(save_top_k=1, save_last=True)``; the background runs write through
+``AsyncNamingCheckpointIO(SlowIO())``, whose only difference from the default writer is a delay before each write (so
+that training, removal and rotation would overtake a write that they do not wait for), and which records what the
+checkpoint folders hold when each write starts. Each run is then resumed from its own ``checkpoint_2`` (step 6); the Fabric runs
+save twice to one path and resume from it. Both kinds run in ``--out/run``, renamed to ``sync`` or ``async`` after
+each, so that the checkpoints (which hold their paths) can be compared byte for byte. Rank ``r`` saves ``results_rank{r}.pt`` for
+``tests/launch/test_async_checkpoint_io.py``, which also compares the files on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_accel  # noqa: F401  (registers the acc_* names)
+from lightning_accel.callbacks import CheckpointRotation
+from lightning_accel.config import ProjectConfiguration
+from lightning_accel.strategies import AsyncNamingCheckpointIO
+from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
+
+DELAY = 0.2  # seconds before each background write
+MAX_STEPS, SAVE_EVERY, TOTAL_LIMIT, RESUME_FROM = 8, 2, 2, 2
+FABRIC_STEPS, FABRIC_SAVES = 6, (2, 4)
+
+
+class SlowIO(NamingTorchCheckpointIO):
+    """The default writer after a delay; records each write's file and the listing of ``watched`` folders then."""
+
+    def __init__(self, watched: list[Path]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.writes: list[tuple[str, dict[str, list[str]], int | None]] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        time.sleep(DELAY)
+        listing = {d.name: sorted(os.listdir(d)) for d in self.watched if d.exists()}
+        self.writes.append((Path(path).name, listing, _step_in(Path(path))))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def _step_in(writing: Path) -> int | None:
+    """The ``step`` of the complete file the write at ``writing`` (``.<name>.writing``) replaces, if one is there."""
+    final = writing.with_name(writing.name.removeprefix(".").removesuffix(".writing"))
+    return torch.load(final, weights_only=True)["step"] if final.name.startswith("fabric") and final.exists() else None
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    return TensorDataset(x, x[:, :3].sum(1, keepdim=True) + 0.1 * torch.randn(64, 1, generator=g))
+
+
+class Regressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+
+def trainer_run(root: Path, *, background: bool, resume: bool) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """Fit (or resume from ``checkpoint_1``); the final weights and, on rank 0, what the slow writer saw."""
+    L.seed_everything(0)
+    rotation = CheckpointRotation(
+        ProjectConfiguration(root, automatic_checkpoint_naming=True, total_limit=TOTAL_LIMIT),
+        every_n_train_steps=100 if resume else SAVE_EVERY,
+    )
+    callbacks: list[Any] = [rotation]
+    if not resume:
+        best = ModelCheckpoint(
+            dirpath=root / "mc", filename="{step}", monitor="loss", save_top_k=1, save_last=True, every_n_train_steps=1
+        )
+        callbacks.append(best)
+    slow = SlowIO([root / "checkpoints", root / "mc"])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="acc_ddp",
+        max_steps=MAX_STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        plugins=[AsyncNamingCheckpointIO(slow)] if background else [],
+    )
+    model = Regressor()
+    ckpt_path = str(root / "checkpoints" / f"checkpoint_{RESUME_FROM}") if resume else None
+    trainer.fit(model, DataLoader(dataset(), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+    return {k: v.clone() for k, v in model.state_dict().items()}, slow.writes
+
+
+def fabric_run(path: Path, *, background: bool, resume: bool) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """Train a few steps, saving twice to ``path`` (or resume from it); the final weights, what the writer saw."""
+    slow = SlowIO([path.parent])
+    fabric = L.Fabric(
+        accelerator="cpu", devices=2, strategy="acc_ddp", plugins=[AsyncNamingCheckpointIO(slow)] if background else []
+    )
+    fabric.launch()
+    fabric.seed_everything(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume:
+        fabric.load(path, state)
+    x, y = dataset().tensors
+    for step in range(state["step"], FABRIC_STEPS):
+        rows = slice(8 * step + 4 * fabric.global_rank, 8 * step + 4 * fabric.global_rank + 4)
+        fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step"] = step + 1
+        if not resume and state["step"] in FABRIC_SAVES:
+            fabric.save(path, state)
+    fabric.strategy.checkpoint_io.teardown()  # a background save is finished (its error raised) here
+    fabric.barrier()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, slow.writes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    results: dict[str, Any] = {}
+    run = args.out / "run"  # both kinds save under the same path (checkpoints hold it), then it is renamed
+    for kind in ("sync", "async"):
+        background = kind == "async"
+        weights, writes = trainer_run(run, background=background, resume=False)
+        results[f"trainer_{kind}"] = {"weights": weights, "writes": writes}
+        weights, _ = trainer_run(run, background=background, resume=True)
+        results[f"trainer_{kind}_resumed"] = {"weights": weights}
+        path = run / "fabric" / "fabric.ckpt"
+        weights, writes = fabric_run(path, background=background, resume=False)
+        results[f"fabric_{kind}"] = {"weights": weights, "writes": writes}
+        weights, _ = fabric_run(path, background=background, resume=True)
+        results[f"fabric_{kind}_resumed"] = {"weights": weights}
+        if dist.get_rank() == 0:
+            run.rename(args.out / kind)
+        dist.barrier()
+    rank = int(os.environ["RANK"])
+    torch.save(results, args.out / f"results_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
