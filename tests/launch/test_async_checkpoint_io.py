@@ -1,4 +1,4 @@
-"""2 CPU processes (gloo), ``acc_ddp``: ``AsyncNamingCheckpointIO`` on a Trainer and on Fabric against synchronous saves.
+"""2 CPU processes (gloo), ``acc_ddp``: ``AsyncNamingCheckpointIO`` on a Trainer and on Fabric against sync saves.
 
 One ``torch.distributed.run`` launch of ``tests/scripts/trainer_async_checkpoint.py`` (~25 s on 2 cores) runs every
 scenario: a Trainer with ``CheckpointRotation(total_limit=2)`` and ``ModelCheckpoint(save_top_k=1, save_last=True)``,
@@ -7,6 +7,7 @@ and Fabric saving twice to one path, each synchronously and in the background, e
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def test_nothing_is_removed_or_rotated_before_the_new_checkpoint_landed(results:
         assert listing.get("checkpoints", []) == kept, (index, listing)
     best = [(name, listing) for name, listing, _ in writes if name.startswith(".step=")]
     assert len(best) >= 2
-    for (previous, _), (name, listing) in zip(best, best[1:]):
+    for (previous, _), (name, listing) in itertools.pairwise(best):
         # The best file a new best replaces is on disk while the new one is written: removed only after it landed.
         assert previous.removeprefix(".").removesuffix(".writing") in listing["mc"], (name, listing)
     assert len([w for w in writes if w[0] == ".last.ckpt.writing"]) == MAX_STEPS

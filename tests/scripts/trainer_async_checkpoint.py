@@ -4,10 +4,10 @@ Run under ``torch.distributed.run`` with 2 processes. The Trainer runs carry ``C
 ``ModelCheckpoint(save_top_k=1, save_last=True)``; the background runs write through
 ``AsyncNamingCheckpointIO(SlowIO())``, whose only difference from the default writer is a delay before each write (so
 that training, removal and rotation would overtake a write that they do not wait for), and which records what the
-checkpoint folders hold when each write starts. Each run is then resumed from its own ``checkpoint_2`` (step 6); the Fabric runs
-save twice to one path and resume from it. Both kinds run in ``--out/run``, renamed to ``sync`` or ``async`` after
-each, so that the checkpoints (which hold their paths) can be compared byte for byte. Rank ``r`` saves ``results_rank{r}.pt`` for
-``tests/launch/test_async_checkpoint_io.py``, which also compares the files on disk.
+checkpoint folders hold when each write starts. Each run is then resumed from its own ``checkpoint_2`` (step 6); the
+Fabric runs save twice to one path and resume from it. Both kinds run in ``--out/run``, renamed to ``sync`` or
+``async`` after each, so that the checkpoints (which hold their paths) can be compared byte for byte. Rank ``r`` saves
+``results_rank{r}.pt`` for ``tests/launch/test_async_checkpoint_io.py``, which also compares the files on disk.
 """
 
 from __future__ import annotations
