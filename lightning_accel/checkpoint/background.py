@@ -162,6 +162,11 @@ class BackgroundSave:
             action()
 
     @property
+    def together(self) -> bool:
+        """Whether every process saves together (finished by a collective :meth:`finish`)."""
+        return self._together
+
+    @property
     def done(self) -> bool:
         """Whether the thread has finished (written, or failed)."""
         return not self._thread.is_alive()

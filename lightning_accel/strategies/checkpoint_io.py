@@ -33,7 +33,13 @@ from lightning_accel.checkpoint.background import BackgroundSave, host_copy
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 from lightning_accel.utils.other import CheckpointWriteError, load, writing
 
-__all__ = ["AsyncNamingCheckpointIO", "NamingTorchCheckpointIO", "refuse_async_checkpoint_io", "resolve_weights_only"]
+__all__ = [
+    "AsyncNamingCheckpointIO",
+    "NamingTorchCheckpointIO",
+    "refuse_async_checkpoint_io",
+    "resolve_weights_only",
+    "writing_path",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -81,7 +87,7 @@ class NamingTorchCheckpointIO(TorchCheckpointIO):
         return read_checkpoint_file(path, lambda p: load(p, map_location=map_location, weights_only=safe))
 
 
-def _writing_path(path: Path) -> Path:
+def writing_path(path: Path) -> Path:
     """The hidden sibling a background write fills before it is renamed to ``path``: ``.<name>.writing``.
 
     ``CheckpointRotation``'s ``.checkpoint_<i>.incomplete`` becomes ``.checkpoint_<i>.incomplete.writing``, which the
@@ -111,9 +117,11 @@ class AsyncNamingCheckpointIO(_WrappingCheckpointIO):
     Only the process that writes (global rank 0 for DDP) has a pending save: another process that reads the file
     right after it was saved must wait for it (``checkpoint_io.wait()`` on rank 0, then a barrier). A Fabric script
     should call ``fabric.strategy.checkpoint_io.teardown()`` at its end to be told of an error of the last save (the
-    interpreter still waits for that write before it exits). Sharded checkpoints (``acc_fsdp`` with
-    ``SHARDED_STATE_DICT``, ``acc_deepspeed``) are written by their engines, not through a ``CheckpointIO``: those
-    strategies refuse this plugin (see :func:`refuse_async_checkpoint_io`).
+    interpreter still waits for that write before it exits). ``acc_fsdp`` with ``SHARDED_STATE_DICT`` writes its
+    directory with torch's ``dcp.async_save`` and hands it to :meth:`hold`: the directory is published once every
+    process wrote its shards, in the next save (or load, or ``teardown``) of the strategy, which every process makes.
+    ``acc_deepspeed``'s engine writes its folder itself: it refuses this plugin (see
+    :func:`refuse_async_checkpoint_io`).
 
     Args:
         checkpoint_io: The I/O that writes each file (in the thread) and reads them; by default
@@ -155,15 +163,32 @@ class AsyncNamingCheckpointIO(_WrappingCheckpointIO):
         if "://" in str(path):  # remote storage: the wrapped I/O publishes
             return (lambda: base.save_checkpoint(staged, path, storage_options)), (lambda: None)
         final = Path(path)
-        writing_path = _writing_path(final)
+        writing = writing_path(final)
 
         def write() -> None:
             try:
-                base.save_checkpoint(staged, writing_path, storage_options)
+                base.save_checkpoint(staged, writing, storage_options)
             except CheckpointWriteError as error:  # named by the file it was to become
                 raise CheckpointWriteError(error.code, final) from error
 
-        return write, lambda: os.replace(writing_path, final)
+        return write, lambda: os.replace(writing, final)
+
+    def hold(self, save: BackgroundSave) -> None:
+        """Make ``save``, started by a strategy's engine (an FSDP sharded directory), the pending save.
+
+        It is then waited for, and followed by what :meth:`then` queues, like one written here. A save that every
+        process makes together is finished collectively: every process must then call the next ``save_checkpoint``
+        of its strategy, :meth:`wait` or ``teardown``.
+
+        Raises:
+            RuntimeError: If a save is pending: :meth:`wait` for it first (before starting ``save``).
+
+        """
+        if self._pending is not None:
+            raise RuntimeError(
+                f"AsyncNamingCheckpointIO.hold: the save of {self._pending.what} is pending; wait() first."
+            )
+        self._pending = save
 
     def then(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the pending save has landed (in the writer thread), or now if none is pending.
@@ -212,7 +237,14 @@ class AsyncNamingCheckpointIO(_WrappingCheckpointIO):
 
 def _report_at_exit(reference: weakref.ref[AsyncNamingCheckpointIO]) -> None:
     io = reference()
-    if io is None:
+    if io is None or io._pending is None:
+        return
+    if io._pending.together:  # its finish is a collective, which the other processes are not in now
+        _log.error(
+            "AsyncNamingCheckpointIO: the background save of %s was never published; call"
+            " strategy.checkpoint_io.teardown() on every process before the script ends.",
+            io._pending.what,
+        )
         return
     try:
         io.wait()

@@ -9,8 +9,10 @@ CPU (gloo) as well as on GPUs.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Generator, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,9 +22,11 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accel.checkpoint.background import BackgroundSave, host_copy
 from lightning_accel.checkpoint.fsdp_policy import check_state_dict_configs, state_dict_options
 from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.checkpoint_io import writing_path
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.ddp_core import ProcessGroupOptions
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
@@ -63,6 +67,7 @@ class FSDPFamily:
             "optim_state_dict_config": self.plugin.optim_state_dict_config,
         }
         check_state_dict_configs(str(self.plugin.state_dict_type), configs)
+        self._background_group: Any = None
 
     @property
     def version(self) -> int:
@@ -189,6 +194,51 @@ class FSDPFamily:
         dcp.save({k: v for k, v in state.items() if k in keys}, checkpoint_id=path)
         if is_global_zero:
             torch_save({k: v for k, v in state.items() if k not in keys}, path / METADATA_FILENAME)
+
+    def start_sharded_save(
+        self, state: dict[str, Any], shard_keys: Iterable[str], path: Path, is_global_zero: bool
+    ) -> BackgroundSave:
+        """Start writing :meth:`save_sharded`'s directory in the background; every process must call it.
+
+        torch's ``dcp.async_save`` copies the shards on the caller's thread and writes them into the hidden sibling
+        ``.<name>.writing`` (its collectives on a process group of their own, so that they never interleave with
+        training's); process 0 writes ``meta.pt`` there, from a host copy made now. The directory gets its name in
+        :meth:`BackgroundSave.finish` (a collective), once every process has written its shards.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        keys = set(shard_keys)
+        writing = writing_path(path)
+        writing.mkdir(parents=True, exist_ok=True)
+        shards = {k: v for k, v in state.items() if k in keys}
+        written = dcp.async_save(shards, checkpoint_id=writing, process_group=self._checkpoint_group())
+        assert isinstance(written, Future)  # the default stager's answer (AsyncSaveResponse comes with another)
+        meta = host_copy({k: v for k, v in state.items() if k not in keys}) if is_global_zero else None
+
+        def write() -> None:
+            written.result()
+            if meta is not None:
+                torch_save(meta, writing / METADATA_FILENAME)
+
+        def publish() -> None:
+            if is_global_zero:
+                _publish_folder(writing, path)
+
+        return BackgroundSave(write, publish, together=True, what=str(path), daemon=False)
+
+    def start_trainer_save(self, checkpoint: dict[str, Any], path: Path, is_global_zero: bool) -> BackgroundSave:
+        """:meth:`save_trainer_checkpoint` in the background (see :meth:`start_sharded_save`)."""
+        state = _optimizer_list_to_keys(dict(checkpoint))
+        shard_keys = [k for k in state if k == _MODEL_KEY or k.startswith(_OPTIMIZER_PREFIX)]
+        return self.start_sharded_save(state, shard_keys, path, is_global_zero)
+
+    def _checkpoint_group(self) -> Any:
+        """The gloo process group background sharded saves talk on (made at the first, by every process)."""
+        import torch.distributed as dist
+
+        if self._background_group is None:
+            self._background_group = dist.new_group(backend="gloo")
+        return self._background_group
 
     def load_into(
         self, path: Path, state: dict[str, Any], model: Module, strict: bool = True, *, weights_only: bool = True
@@ -455,6 +505,21 @@ def _broadcast_module_states(module: Module) -> None:
     from torch.distributed.utils import _sync_module_states
 
     _sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+
+
+def _publish_folder(writing: Path, final: Path) -> None:
+    """Give the written directory ``final``'s name: one rename, or entry by entry (each atomic) over an existing one."""
+    if not final.is_dir():
+        os.rename(writing, final)
+    else:
+        for entry in writing.iterdir():
+            os.replace(entry, final / entry.name)
+        writing.rmdir()
+    descriptor = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _optimizer_list_to_keys(checkpoint: dict[str, Any]) -> dict[str, Any]:

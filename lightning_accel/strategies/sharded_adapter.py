@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.lightning_compat import get_forward_redirection
-from lightning_accel.strategies.checkpoint_io import refuse_async_checkpoint_io, resolve_weights_only
+from lightning_accel.strategies.checkpoint_io import AsyncNamingCheckpointIO, resolve_weights_only
 from lightning_accel.strategies.fsdp_core import FSDPFamily, checkpoint_value, load_target_error
 
 if TYPE_CHECKING:
@@ -35,14 +36,31 @@ else:
     _FabricBase = _TrainerBase = object
 
 
-def _refuse_async_sharded(checkpoint_io: CheckpointIO) -> None:
-    """Refuse a background ``CheckpointIO`` for a sharded checkpoint, which torch's DCP writes itself."""
-    refuse_async_checkpoint_io(
-        checkpoint_io,
-        "a sharded checkpoint (SHARDED_STATE_DICT: a folder written by torch.distributed.checkpoint)",
-        "Set FullyShardedDataParallelPlugin(state_dict_type='FULL_STATE_DICT') to write one file in the"
-        " background, or drop the asynchronous CheckpointIO from the plugins to save the shards synchronously.",
-    )
+def _background_io(checkpoint_io: CheckpointIO) -> AsyncNamingCheckpointIO | None:
+    """The strategy's I/O where sharded saves run in the background; it waits for the pending save first.
+
+    Raises:
+        ValueError: If the I/O is Lightning's ``AsyncCheckpointIO``, which a sharded directory cannot go through.
+
+    """
+    if isinstance(checkpoint_io, AsyncCheckpointIO):
+        raise ValueError(
+            "Lightning's AsyncCheckpointIO cannot save a sharded checkpoint (SHARDED_STATE_DICT: a directory written"
+            " by torch.distributed.checkpoint, not through a CheckpointIO), so the save would silently be"
+            " synchronous. Use plugins=[lightning_accel.strategies.AsyncNamingCheckpointIO()], which saves it with"
+            " torch's dcp.async_save."
+        )
+    if not isinstance(checkpoint_io, AsyncNamingCheckpointIO):
+        return None
+    checkpoint_io.wait()  # the previous save (a collective when it was sharded), its error raised
+    return checkpoint_io
+
+
+def _wait_for_background(checkpoint_io: CheckpointIO, barrier: Callable[[], None]) -> None:
+    """Before a load (every process): finish the pending background save, so that every process reads it whole."""
+    if isinstance(checkpoint_io, AsyncNamingCheckpointIO):
+        checkpoint_io.wait()
+        barrier()
 
 
 class _HasCheckpointIO(Protocol):
@@ -146,8 +164,6 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
             ValueError: If the checkpoint I/O saves in the background and the checkpoint is sharded.
 
         """
-        if not self._sharding.full_state_dict:
-            _refuse_async_sharded(self._full_checkpoint_io())
         path = Path(self.broadcast(filepath))
         if self._sharding.full_state_dict:
             if self.is_global_zero:
@@ -158,7 +174,11 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
                     f"{self._checkpoint_label} sharded checkpoints take no `storage_options`; drop them, or set"
                     " FullyShardedDataParallelPlugin(state_dict_type='FULL_STATE_DICT') to write through CheckpointIO."
                 )
-            self._sharding.save_trainer_checkpoint(checkpoint, path, self.is_global_zero)
+            background = _background_io(self._full_checkpoint_io())
+            if background is None:
+                self._sharding.save_trainer_checkpoint(checkpoint, path, self.is_global_zero)
+            else:
+                background.hold(self._sharding.start_trainer_save(checkpoint, path, self.is_global_zero))
         self.barrier(f"{self._checkpoint_label}.save_checkpoint")
 
     @override
@@ -166,6 +186,7 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         assert self.model is not None and self.lightning_module is not None
+        _wait_for_background(self._full_checkpoint_io(), lambda: self.barrier("load_checkpoint"))
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
@@ -200,10 +221,9 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
             raise TypeError(
                 f"{self._checkpoint_label} checkpoints take neither `storage_options` nor `filter`; drop them."
             )
-        if not self._sharding.full_state_dict:
-            _refuse_async_sharded(self._full_checkpoint_io())
-        path = Path(self.broadcast(path))
         io = self._sharding
+        background = None if io.full_state_dict else _background_io(self._full_checkpoint_io())
+        path = Path(self.broadcast(path))
         module = self._single_module(state)
         converted = {
             key: io.model_state_dict(value)
@@ -218,7 +238,10 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
                 self._full_checkpoint_io().save_checkpoint(converted, path)
         else:
             shards = [k for k, v in state.items() if isinstance(v, (Module, Optimizer))]
-            io.save_sharded(converted, shards, path, self.is_global_zero)
+            if background is None:
+                io.save_sharded(converted, shards, path, self.is_global_zero)
+            else:
+                background.hold(io.start_sharded_save(converted, shards, path, self.is_global_zero))
         self.barrier(f"{self._checkpoint_label}.save_checkpoint")
 
     @override
@@ -237,6 +260,7 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
             ValueError: If ``state`` is neither a module nor a dict holding exactly one module.
 
         """
+        _wait_for_background(self._full_checkpoint_io(), lambda: self.barrier("load_checkpoint"))
         if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
             raw = Path(self.broadcast(path))
             self._sharding.load_raw_module(raw, state, strict=strict, weights_only=resolve_weights_only(weights_only))
