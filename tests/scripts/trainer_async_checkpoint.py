@@ -1,10 +1,13 @@
-"""Trainer and Fabric on ``acc_ddp`` (2 processes): every checkpoint saved synchronously, then in the background.
+"""Trainer and Fabric on ``--strategy`` (2 processes): every checkpoint saved synchronously, then in the background.
 
-Run under ``torch.distributed.run`` with 2 processes. The Trainer runs carry ``CheckpointRotation(total_limit=2)`` and
+Run under ``torch.distributed.run`` with 2 processes; ``--strategy`` is ``acc_ddp`` (checkpoint files) or ``acc_fsdp``
+with ``SHARDED_STATE_DICT`` (directories written by torch's DCP, ``dcp.async_save`` in the background). The Trainer
+runs carry ``CheckpointRotation(total_limit=2)`` and
 ``ModelCheckpoint(save_top_k=1, save_last=True)``; the background runs write through
 ``AsyncNamingCheckpointIO(SlowIO())``, whose only difference from the default writer is a delay before each write (so
 that training, removal and rotation would overtake a write that they do not wait for), and which records what the
-checkpoint folders hold when each write starts. Each run is then resumed from its own ``checkpoint_2`` (step 6); the
+checkpoint folders hold when each write starts (a sharded directory does not go through it: a ``Listing`` callback
+records the folders after every batch instead). Each run is then resumed from its own ``checkpoint_2`` (step 6); the
 Fabric runs save twice to one path and resume from it. Both kinds run in ``--out/run``, renamed to ``sync`` or
 ``async`` after each, so that the checkpoints (which hold their paths) can be compared byte for byte. Rank ``r`` saves
 ``results_rank{r}.pt`` for ``tests/launch/test_async_checkpoint_io.py``, which also compares the files on disk.
@@ -21,13 +24,14 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_accel  # noqa: F401  (registers the acc_* names)
+import lightning_accel
 from lightning_accel.callbacks import CheckpointRotation
-from lightning_accel.config import ProjectConfiguration
+from lightning_accel.config import FullyShardedDataParallelPlugin, ProjectConfiguration
 from lightning_accel.strategies import AsyncNamingCheckpointIO
 from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO
 
@@ -57,6 +61,33 @@ def _step_in(writing: Path) -> int | None:
     return torch.load(final, weights_only=True)["step"] if final.name.startswith("fabric") and final.exists() else None
 
 
+def strategy_and_plugins(name: str, io: AsyncNamingCheckpointIO | None, *, fabric: bool) -> dict[str, Any]:
+    """``acc_ddp`` by name (the I/O a plugin), or an ``acc_fsdp`` object with sharded checkpoints (the I/O its own)."""
+    if name == "acc_ddp":
+        return {"strategy": name, "plugins": [io] if io is not None else []}
+    plugin = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
+    options: dict[str, Any] = {"fsdp_plugin": plugin} if io is None else {"fsdp_plugin": plugin, "checkpoint_io": io}
+    return {"strategy": lightning_accel.strategy_for("FSDP", fabric=fabric, **options)}
+
+
+def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every process's copy of the whole weights (gathered from FSDP's shards; collective there)."""
+    state = module.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+class Listing(Callback):
+    """Records, on global rank 0 after each batch, the checkpoint folders' entries (what a resume would find)."""
+
+    def __init__(self, watched: list[Path]) -> None:
+        self.watched = watched
+        self.listings: list[dict[str, list[str]]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero:
+            self.listings.append({d.name: sorted(os.listdir(d)) for d in self.watched if d.exists()})
+
+
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
@@ -78,14 +109,15 @@ class Regressor(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
 
-def trainer_run(root: Path, *, background: bool, resume: bool) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    """Fit (or resume from ``checkpoint_1``); the final weights and, on rank 0, what the slow writer saw."""
+def trainer_run(name: str, root: Path, *, background: bool, resume: bool) -> dict[str, Any]:
+    """Fit (or resume from ``checkpoint_2``): the final weights and, on rank 0, what the writer and listing saw."""
     L.seed_everything(0)
     rotation = CheckpointRotation(
         ProjectConfiguration(root, automatic_checkpoint_naming=True, total_limit=TOTAL_LIMIT),
         every_n_train_steps=100 if resume else SAVE_EVERY,
     )
-    callbacks: list[Any] = [rotation]
+    listing = Listing([root / "checkpoints", root / "mc"])
+    callbacks: list[Any] = [listing, rotation]
     if not resume:
         best = ModelCheckpoint(
             dirpath=root / "mc", filename="{step}", monitor="loss", save_top_k=1, save_last=True, every_n_train_steps=1
@@ -95,30 +127,28 @@ def trainer_run(root: Path, *, background: bool, resume: bool) -> tuple[dict[str
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="acc_ddp",
         max_steps=MAX_STEPS,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
-        plugins=[AsyncNamingCheckpointIO(slow)] if background else [],
+        **strategy_and_plugins(name, AsyncNamingCheckpointIO(slow) if background else None, fabric=False),
     )
     model = Regressor()
     ckpt_path = str(root / "checkpoints" / f"checkpoint_{RESUME_FROM}") if resume else None
     trainer.fit(model, DataLoader(dataset(), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
-    return {k: v.clone() for k, v in model.state_dict().items()}, slow.writes
+    return {"weights": full_weights(model), "writes": slow.writes, "listings": listing.listings}
 
 
-def fabric_run(path: Path, *, background: bool, resume: bool) -> tuple[dict[str, torch.Tensor], list[Any]]:
+def fabric_run(name: str, path: Path, *, background: bool, resume: bool) -> dict[str, Any]:
     """Train a few steps, saving twice to ``path`` (or resume from it); the final weights, what the writer saw."""
     slow = SlowIO([path.parent])
-    fabric = L.Fabric(
-        accelerator="cpu", devices=2, strategy="acc_ddp", plugins=[AsyncNamingCheckpointIO(slow)] if background else []
-    )
+    io = AsyncNamingCheckpointIO(slow) if background else None
+    fabric = L.Fabric(accelerator="cpu", devices=2, **strategy_and_plugins(name, io, fabric=True))
     fabric.launch()
     fabric.seed_everything(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+    model = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
     if resume:
         fabric.load(path, state)
@@ -133,31 +163,27 @@ def fabric_run(path: Path, *, background: bool, resume: bool) -> tuple[dict[str,
             fabric.save(path, state)
     fabric.strategy.checkpoint_io.teardown()  # a background save is finished (its error raised) here
     fabric.barrier()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, slow.writes
+    return {"weights": full_weights(model), "writes": slow.writes}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategy", choices=["acc_ddp", "acc_fsdp"], required=True)
     args = parser.parse_args()
     results: dict[str, Any] = {}
     run = args.out / "run"  # both kinds save under the same path (checkpoints hold it), then it is renamed
     for kind in ("sync", "async"):
         background = kind == "async"
-        weights, writes = trainer_run(run, background=background, resume=False)
-        results[f"trainer_{kind}"] = {"weights": weights, "writes": writes}
-        weights, _ = trainer_run(run, background=background, resume=True)
-        results[f"trainer_{kind}_resumed"] = {"weights": weights}
+        results[f"trainer_{kind}"] = trainer_run(args.strategy, run, background=background, resume=False)
+        results[f"trainer_{kind}_resumed"] = trainer_run(args.strategy, run, background=background, resume=True)
         path = run / "fabric" / "fabric.ckpt"
-        weights, writes = fabric_run(path, background=background, resume=False)
-        results[f"fabric_{kind}"] = {"weights": weights, "writes": writes}
-        weights, _ = fabric_run(path, background=background, resume=True)
-        results[f"fabric_{kind}_resumed"] = {"weights": weights}
+        results[f"fabric_{kind}"] = fabric_run(args.strategy, path, background=background, resume=False)
+        results[f"fabric_{kind}_resumed"] = fabric_run(args.strategy, path, background=background, resume=True)
         if dist.get_rank() == 0:
             run.rename(args.out / kind)
         dist.barrier()
-    rank = int(os.environ["RANK"])
-    torch.save(results, args.out / f"results_rank{rank}.pt")
+    torch.save(results, args.out / f"results_rank{dist.get_rank()}.pt")
 
 
 if __name__ == "__main__":

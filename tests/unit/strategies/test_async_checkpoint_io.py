@@ -20,6 +20,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.callbacks import CheckpointRotation
+from lightning_accel.checkpoint.background import BackgroundSave
 from lightning_accel.config import FullyShardedDataParallelPlugin, ProjectConfiguration
 from lightning_accel.strategies import AcceleratedFSDPStrategy, AsyncNamingCheckpointIO, FabricAcceleratedFSDPStrategy
 from lightning_accel.utils.other import CheckpointWriteError
@@ -48,6 +49,19 @@ def test_a_failed_background_write_is_raised_by_the_next_save_and_by_teardown_na
     io.save_checkpoint(LARGE, tmp_path / "e.ckpt")  # the limit gone, saves go on
     io.teardown()
     assert torch.equal(io.load_checkpoint(tmp_path / "e.ckpt")["state_dict"]["w"], LARGE["state_dict"]["w"])
+
+
+def test_a_save_started_elsewhere_is_held_only_once_the_pending_one_is_done(tmp_path: Path) -> None:
+    io = AsyncNamingCheckpointIO()
+    io.save_checkpoint(SMALL, tmp_path / "a.ckpt")
+    started = BackgroundSave(lambda: None, lambda: None, together=False, what="shards")
+    with pytest.raises(RuntimeError, match=r"the save of .*a\.ckpt is pending; wait\(\) first"):
+        io.hold(started)
+    io.wait()
+    io.hold(started)
+    io.then(lambda: (tmp_path / "followed").touch())
+    io.teardown()
+    assert (tmp_path / "followed").exists()
 
 
 class _Model(L.LightningModule):
@@ -81,10 +95,10 @@ def test_a_trainer_raises_the_failed_background_write_at_the_next_save(tmp_path:
 
 
 @pytest.mark.parametrize("twin", [AcceleratedFSDPStrategy, FabricAcceleratedFSDPStrategy])
-def test_sharded_fsdp_refuses_a_background_io_its_engine_would_ignore(twin: Any, tmp_path: Path) -> None:
+def test_sharded_fsdp_refuses_lightnings_async_io_which_its_directory_would_bypass(twin: Any, tmp_path: Path) -> None:
     plugin = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
-    strategy = twin(fsdp_plugin=plugin, checkpoint_io=AsyncNamingCheckpointIO())
-    with pytest.raises(ValueError, match=r"cannot save a sharded checkpoint \(SHARDED_STATE_DICT.*FULL_STATE_DICT"):
+    strategy = twin(fsdp_plugin=plugin, checkpoint_io=AsyncCheckpointIO())
+    with pytest.raises(ValueError, match=r"AsyncCheckpointIO cannot save a sharded checkpoint.*AsyncNaming"):
         _save(strategy, tmp_path / "sharded")
     assert not (tmp_path / "sharded").exists()
 
