@@ -38,6 +38,7 @@ __all__ = [
     "NamingTorchCheckpointIO",
     "refuse_async_checkpoint_io",
     "resolve_weights_only",
+    "wait_for_background_save",
     "writing_path",
 ]
 
@@ -114,8 +115,9 @@ class AsyncNamingCheckpointIO(_WrappingCheckpointIO):
     * at most one save is pending: the next one waits for it, so saves never pile up in memory;
     * :meth:`then` queues what must follow the pending save (``CheckpointRotation`` renames and rotates there).
 
-    Only the process that writes (global rank 0 for DDP) has a pending save: another process that reads the file
-    right after it was saved must wait for it (``checkpoint_io.wait()`` on rank 0, then a barrier). A Fabric script
+    Only the process that writes (global rank 0 for DDP) has a pending save: the ``acc_*`` strategies' loads (every
+    process) wait for it and meet at a barrier before reading (:func:`wait_for_background_save`); another reader
+    right after a save must do the same (``checkpoint_io.wait()`` on rank 0, then a barrier). A Fabric script
     should call ``fabric.strategy.checkpoint_io.teardown()`` at its end to be told of an error of the last save (the
     interpreter still waits for that write before it exits). ``acc_fsdp`` with ``SHARDED_STATE_DICT`` writes its
     directory with torch's ``dcp.async_save`` and hands it to :meth:`hold`: the directory is published once every
@@ -250,6 +252,17 @@ def _report_at_exit(reference: weakref.ref[AsyncNamingCheckpointIO]) -> None:
         io.wait()
     except BaseException:
         _log.exception("AsyncNamingCheckpointIO: the last background checkpoint save failed")
+
+
+def wait_for_background_save(checkpoint_io: CheckpointIO, barrier: Callable[[], None]) -> None:
+    """Before a load that every process makes: finish the pending background save, then meet the other processes.
+
+    Only the writing process (global rank 0, or all for a sharded directory) has the save pending; the barrier keeps
+    the others from reading the file before it landed.
+    """
+    if isinstance(checkpoint_io, AsyncNamingCheckpointIO):
+        checkpoint_io.wait()
+        barrier()
 
 
 def refuse_async_checkpoint_io(checkpoint_io: CheckpointIO, what: str, fix: str) -> None:

@@ -25,7 +25,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.lightning_compat import get_forward_redirection
-from lightning_accel.strategies.checkpoint_io import AsyncNamingCheckpointIO, resolve_weights_only
+from lightning_accel.strategies.checkpoint_io import (
+    AsyncNamingCheckpointIO,
+    resolve_weights_only,
+    wait_for_background_save,
+)
 from lightning_accel.strategies.fsdp_core import FSDPFamily, checkpoint_value, load_target_error
 
 if TYPE_CHECKING:
@@ -54,13 +58,6 @@ def _background_io(checkpoint_io: CheckpointIO) -> AsyncNamingCheckpointIO | Non
         return None
     checkpoint_io.wait()  # the previous save (a collective when it was sharded), its error raised
     return checkpoint_io
-
-
-def _wait_for_background(checkpoint_io: CheckpointIO, barrier: Callable[[], None]) -> None:
-    """Before a load (every process): finish the pending background save, so that every process reads it whole."""
-    if isinstance(checkpoint_io, AsyncNamingCheckpointIO):
-        checkpoint_io.wait()
-        barrier()
 
 
 class _HasCheckpointIO(Protocol):
@@ -186,7 +183,7 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         assert self.model is not None and self.lightning_module is not None
-        _wait_for_background(self._full_checkpoint_io(), lambda: self.barrier("load_checkpoint"))
+        wait_for_background_save(self._full_checkpoint_io(), lambda: self.barrier("load_checkpoint"))
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
@@ -260,7 +257,7 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
             ValueError: If ``state`` is neither a module nor a dict holding exactly one module.
 
         """
-        _wait_for_background(self._full_checkpoint_io(), lambda: self.barrier("load_checkpoint"))
+        wait_for_background_save(self._full_checkpoint_io(), lambda: self.barrier("load_checkpoint"))
         if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
             raw = Path(self.broadcast(path))
             self._sharding.load_raw_module(raw, state, strict=strict, weights_only=resolve_weights_only(weights_only))
