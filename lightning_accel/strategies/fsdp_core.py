@@ -40,7 +40,7 @@ from lightning_accel.utils.modeling.checkpoint import (
     read_checkpoint_file,
     weights_only_planner,
 )
-from lightning_accel.utils.other import load, torch_save
+from lightning_accel.utils.other import CheckpointWriteError, load, torch_save, write_error
 
 _MODEL_KEY = "state_dict"
 _OPTIMIZER_PREFIX = "optimizer_"
@@ -216,7 +216,13 @@ class FSDPFamily:
         meta = host_copy({k: v for k, v in state.items() if k not in keys}) if is_global_zero else None
 
         def write() -> None:
-            written.result()
+            try:
+                written.result()
+            except BaseException as error:  # DCP's CheckpointException is a BaseException
+                named = _named_write_error(error, writing)
+                if named is None:
+                    raise
+                raise named from error
             if meta is not None:
                 torch_save(meta, writing / METADATA_FILENAME)
 
@@ -505,6 +511,21 @@ def _broadcast_module_states(module: Module) -> None:
     from torch.distributed.utils import _sync_module_states
 
     _sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+
+
+def _named_write_error(error: BaseException, folder: Path) -> CheckpointWriteError | None:
+    """A full disk, the size limit or a quota met by DCP's writer in ``folder``, named by the file it was writing.
+
+    DCP wraps what a process's writer raised in a ``CheckpointException`` (rank -> exception and traceback).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    causes = [exc for exc, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
+    for cause in causes:
+        named = write_error(cause, folder)
+        if named is not None:
+            return named
+    return None
 
 
 def _publish_folder(writing: Path, final: Path) -> None:
