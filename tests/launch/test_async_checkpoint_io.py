@@ -9,6 +9,7 @@ background, each resumed. ``acc_ddp`` writes files (through a writer that waits 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import pickle
 from pathlib import Path
@@ -121,3 +122,16 @@ def test_fabric_keeps_the_previous_file_complete_while_the_next_is_written(resul
     assert [name for name, _, _ in writes] == [".fabric.ckpt.writing"] * len(FABRIC_SAVES)
     # While the second save is written, fabric.ckpt is the first one, complete (read back weights-only).
     assert [step for _, _, step in writes] == [None, FABRIC_SAVES[0]]
+
+
+def test_a_failed_background_sharded_write_is_raised_on_every_process_and_keeps_the_previous(
+    out: Path, results: list[dict[str, Any]]
+) -> None:
+    if not out.name.startswith("async_io_acc_fsdp"):
+        pytest.skip("the sharded directory's error (every process) is acc_fsdp's; acc_ddp's file is a unit test")
+    for rank_results in results:  # raised by the next save on both processes, naming the shard file and its folder
+        found = rank_results["sharded_write_error"]
+        assert found["error"] == "CheckpointWriteError" and found["errno"] == errno.EFBIG, found
+        assert "Could not write __" in found["message"] and ".bad.writing: " in found["message"], found
+        assert found["entries"] == [".bad.writing", "good"]  # never published; the next save never started
+        assert found["restored"]  # the previous checkpoint loads: the weights saved in it

@@ -10,13 +10,15 @@ checkpoint folders hold when each write starts (a sharded directory does not go 
 records the folders after every batch instead). Each run is then resumed from its own ``checkpoint_2`` (step 6); the
 Fabric runs save twice to one path and resume from it. Both kinds run in ``--out/run``, renamed to ``sync`` or
 ``async`` after each, so that the checkpoints (which hold their paths) can be compared byte for byte. Rank ``r`` saves
-``results_rank{r}.pt`` for ``tests/launch/test_async_checkpoint_io.py``, which also compares the files on disk.
+``results_rank{r}.pt`` for ``tests/launch/test_async_checkpoint_io.py``, which also compares the files on disk. With
+``acc_fsdp``, a last run meets the file size limit (``RLIMIT_FSIZE``) in a background sharded write.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -166,6 +168,45 @@ def fabric_run(name: str, path: Path, *, background: bool, resume: bool) -> dict
     return {"weights": full_weights(model), "writes": slow.writes}
 
 
+def sharded_write_error(name: str, folder: Path) -> dict[str, Any]:
+    """Save ``good``, then ``bad`` past the file size limit: the next save raises on every process; ``good`` loads."""
+    io = AsyncNamingCheckpointIO()
+    fabric = L.Fabric(accelerator="cpu", devices=2, **strategy_and_plugins(name, io, fabric=True))
+    fabric.launch()
+    fabric.seed_everything(0)
+    model = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 1}
+    fabric.save(folder / "good", state)
+    io.wait()  # every process: "good" is published before the limit
+    saved = full_weights(model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # bytes: no shard file fits
+    try:
+        fabric.save(folder / "bad", {**state, "step": 2})  # returns: the shards are written in the background
+        try:
+            fabric.save(folder / "next", {**state, "step": 3})
+            raised: BaseException | None = None
+        except BaseException as error:
+            raised = error
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    fabric.barrier()
+    entries = sorted(p.name for p in folder.iterdir())
+    fabric.load(folder / "good", state)
+    io.teardown()
+    return {
+        "error": type(raised).__name__,
+        "errno": getattr(raised, "errno", None),
+        "message": str(raised),
+        "entries": entries,
+        "restored": all(torch.equal(v, saved[k]) for k, v in full_weights(model).items()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -183,6 +224,8 @@ def main() -> None:
         if dist.get_rank() == 0:
             run.rename(args.out / kind)
         dist.barrier()
+    if args.strategy == "acc_fsdp":
+        results["sharded_write_error"] = sharded_write_error(args.strategy, args.out / "errors")
     torch.save(results, args.out / f"results_rank{dist.get_rank()}.pt")
 
 
