@@ -3,8 +3,8 @@
 One ``torch.distributed.run`` launch of ``tests/scripts/trainer_async_checkpoint.py`` per strategy (~15-30 s on 2
 cores) runs every scenario: a Trainer with ``CheckpointRotation(total_limit=2)`` and
 ``ModelCheckpoint(save_top_k=1, save_last=True)``, and Fabric saving twice to one path, each synchronously and in the
-background, each resumed. ``acc_ddp`` writes files (through a writer that waits before each write);
-``acc_fsdp`` with ``SHARDED_STATE_DICT`` writes directories with torch's ``dcp.async_save``.
+background, each resumed. ``acc_ddp`` and ``acc_fsdp`` with ``FULL_STATE_DICT`` write files (through a writer that
+waits before each write); ``acc_fsdp`` with ``SHARDED_STATE_DICT`` writes directories with torch's ``dcp.async_save``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SAVED_FILES = [
 ]
 
 
-@pytest.fixture(scope="module", params=["acc_ddp", "acc_fsdp"])
+@pytest.fixture(scope="module", params=["acc_ddp", "acc_fsdp", "acc_fsdp_full"])
 def out(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     found: Path = tmp_path_factory.mktemp(f"async_io_{request.param}")
     torchrun("trainer_async_checkpoint.py", "--out", str(found), "--strategy", request.param, timeout=300)
@@ -41,13 +41,18 @@ def out(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture
 def files_only(out: Path) -> None:
-    if out.name.startswith("async_io_acc_fsdp"):
+    if _sharded(out):
         pytest.skip("acc_fsdp's sharded directories are written by DCP, not through the recording writer")
 
 
 @pytest.fixture(scope="module")
 def results(out: Path) -> list[dict[str, Any]]:
     return [torch.load(out / f"results_rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def _sharded(out: Path) -> bool:
+    """Whether ``out`` (``async_io_<strategy><n>``) holds the run of ``acc_fsdp`` with sharded checkpoints."""
+    return out.name.rstrip("0123456789") == "async_io_acc_fsdp"
 
 
 def _listing(root: Path) -> list[str]:
@@ -127,7 +132,7 @@ def test_fabric_keeps_the_previous_file_complete_while_the_next_is_written(resul
 def test_a_failed_background_sharded_write_is_raised_on_every_process_and_keeps_the_previous(
     out: Path, results: list[dict[str, Any]]
 ) -> None:
-    if not out.name.startswith("async_io_acc_fsdp"):
+    if not _sharded(out):
         pytest.skip("the sharded directory's error (every process) is acc_fsdp's; acc_ddp's file is a unit test")
     for rank_results in results:  # raised by the next save on both processes, naming the shard file and its folder
         found = rank_results["sharded_write_error"]

@@ -1,7 +1,8 @@
 """Trainer and Fabric on ``--strategy`` (2 processes): every checkpoint saved synchronously, then in the background.
 
 Run under ``torch.distributed.run`` with 2 processes; ``--strategy`` is ``acc_ddp`` (checkpoint files) or ``acc_fsdp``
-with ``SHARDED_STATE_DICT`` (directories written by torch's DCP, ``dcp.async_save`` in the background). The Trainer
+with ``SHARDED_STATE_DICT`` (directories written by torch's DCP, ``dcp.async_save`` in the background), or
+``acc_fsdp_full`` (``FULL_STATE_DICT``: gathered, then one file like ``acc_ddp``'s). The Trainer
 runs carry ``CheckpointRotation(total_limit=2)`` and
 ``ModelCheckpoint(save_top_k=1, save_last=True)``; the background runs write through
 ``AsyncNamingCheckpointIO(SlowIO())``, whose only difference from the default writer is a delay before each write (so
@@ -64,10 +65,11 @@ def _step_in(writing: Path) -> int | None:
 
 
 def strategy_and_plugins(name: str, io: AsyncNamingCheckpointIO | None, *, fabric: bool) -> dict[str, Any]:
-    """``acc_ddp`` by name (the I/O a plugin), or an ``acc_fsdp`` object with sharded checkpoints (the I/O its own)."""
+    """``acc_ddp`` by name (the I/O a plugin), or an ``acc_fsdp`` object (the I/O its own): sharded, or ``_full``."""
     if name == "acc_ddp":
         return {"strategy": name, "plugins": [io] if io is not None else []}
-    plugin = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
+    full = name == "acc_fsdp_full"
+    plugin = FullyShardedDataParallelPlugin(state_dict_type="FULL_STATE_DICT" if full else "SHARDED_STATE_DICT")
     options: dict[str, Any] = {"fsdp_plugin": plugin} if io is None else {"fsdp_plugin": plugin, "checkpoint_io": io}
     return {"strategy": lightning_accel.strategy_for("FSDP", fabric=fabric, **options)}
 
@@ -210,7 +212,7 @@ def sharded_write_error(name: str, folder: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--strategy", choices=["acc_ddp", "acc_fsdp"], required=True)
+    parser.add_argument("--strategy", choices=["acc_ddp", "acc_fsdp", "acc_fsdp_full"], required=True)
     args = parser.parse_args()
     results: dict[str, Any] = {}
     run = args.out / "run"  # both kinds save under the same path (checkpoints hold it), then it is renamed
