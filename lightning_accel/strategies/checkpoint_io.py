@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from typing_extensions import override
 
-from lightning_accel.checkpoint.background import BackgroundSave, host_copy
+from lightning_accel.checkpoint.background import BackgroundSave, HostBuffers, host_copy
 from lightning_accel.utils.modeling.checkpoint import read_checkpoint_file
 from lightning_accel.utils.other import CheckpointWriteError, load, writing
 
@@ -137,6 +137,7 @@ class AsyncNamingCheckpointIO(_WrappingCheckpointIO):
     def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
         super().__init__(NamingTorchCheckpointIO() if checkpoint_io is None else checkpoint_io)
         self._pending: BackgroundSave | None = None
+        self._buffers = HostBuffers()  # the last save's host memory, copied into by the next (its write is done)
         atexit.register(_report_at_exit, weakref.ref(self))
 
     @property
@@ -154,7 +155,7 @@ class AsyncNamingCheckpointIO(_WrappingCheckpointIO):
 
         """
         self.wait()
-        write, publish = self._writer(host_copy(checkpoint), path, storage_options)
+        write, publish = self._writer(host_copy(checkpoint, self._buffers), path, storage_options)
         self._pending = BackgroundSave(write, publish, together=False, what=str(path), daemon=False)
 
     def _writer(
@@ -227,13 +228,14 @@ class AsyncNamingCheckpointIO(_WrappingCheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for the pending save, then tear the wrapped I/O down.
+        """Wait for the pending save, give the host memory of the copies back, then tear the wrapped I/O down.
 
         Raises:
             BaseException: What the pending save raised.
 
         """
         self.wait()
+        self._buffers.release()
         self._base.teardown()
 
 
