@@ -660,7 +660,8 @@ class FabricAcceleratedDeepSpeedStrategy(
 
 _DEEPSPEED_ASYNC_FIX = (
     "Drop the asynchronous CheckpointIO from the plugins (acc_deepspeed saves synchronously), or save in the"
-    " background with acc_ddp, or acc_fsdp with FullyShardedDataParallelPlugin(state_dict_type='FULL_STATE_DICT')."
+    " background with acc_ddp or acc_fsdp. DeepSpeed's own background writer (the config's"
+    " checkpoint.writer.decoupled) needs its async_io op, built against libaio (`apt install libaio-dev`)."
 )
 
 
