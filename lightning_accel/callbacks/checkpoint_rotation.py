@@ -91,8 +91,10 @@ class CheckpointRotation(ModelCheckpoint):
 
     With :class:`~lightning_accel.strategies.checkpoint_io.AsyncNamingCheckpointIO` as the strategy's checkpoint I/O
     (``Trainer(plugins=[AsyncNamingCheckpointIO()])``), the checkpoint is written in the background and the rename
-    and the deletion of old ones run in the writer thread once the write has landed: a save killed in the background
-    leaves every earlier checkpoint intact and the newest of them the one ``ckpt_path="last"`` resumes from.
+    and the deletion of old ones run once the write has landed: in the writer thread for a file, in the next save (or
+    the end of ``fit``) for a sharded directory, once every process has written its shards. A save killed in the
+    background leaves every earlier checkpoint intact and the newest of them the one ``ckpt_path="last"`` resumes
+    from.
 
     Only the global-rank-0 process renames and deletes. With ``save_on_each_node=True`` the local-rank-0 process of
     every other node does the same afterwards on its own disk, and writes its own copy when the node cannot see the
