@@ -11,6 +11,7 @@ from weakref import proxy
 import lightning.pytorch as pl
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -38,6 +39,7 @@ from lightning_accel.lightning_compat import (
     set_last_checkpoint_saved,
     set_last_global_step_saved,
 )
+from lightning_accel.strategies.checkpoint_io import AsyncNamingCheckpointIO
 
 __all__ = ["CheckpointRotation", "complete_checkpoints", "latest_checkpoint"]
 
@@ -86,6 +88,13 @@ class CheckpointRotation(ModelCheckpoint):
       ``on_train_start`` of a run with the same number of processes, which makes resume bit-exact together with
       :class:`~lightning_accel.callbacks.SeedableSampler` (resuming exactly also needs the accumulation window to be
       closed when the checkpoint is taken; a warning says when it is not).
+
+    With :class:`~lightning_accel.strategies.checkpoint_io.AsyncNamingCheckpointIO` as the strategy's checkpoint I/O
+    (``Trainer(plugins=[AsyncNamingCheckpointIO()])``), the checkpoint is written in the background and the rename
+    and the deletion of old ones run once the write has landed: in the writer thread for a file, in the next save (or
+    the end of ``fit``) for a sharded directory, once every process has written its shards. A save killed in the
+    background leaves every earlier checkpoint intact and the newest of them the one ``ckpt_path="last"`` resumes
+    from.
 
     Only the global-rank-0 process renames and deletes. With ``save_on_each_node=True`` the local-rank-0 process of
     every other node does the same afterwards on its own disk, and writes its own copy when the node cannot see the
@@ -150,6 +159,15 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a background checkpoint I/O this callback cannot follow; clean up saves that were killed.
+
+        Raises:
+            ValueError: If the strategy's checkpoint I/O is Lightning's ``AsyncCheckpointIO``, or
+                :class:`~lightning_accel.strategies.checkpoint_io.AsyncNamingCheckpointIO` with
+                ``save_on_each_node=True``.
+
+        """
+        _check_async_io(trainer.strategy.checkpoint_io, self.project_config)
         set_fs(self, get_filesystem(self._directory))
         if stage == "fit":
             self._on_managers(trainer, lambda: remove_incomplete(self._directory))
@@ -245,8 +263,13 @@ class CheckpointRotation(ModelCheckpoint):
         # Saved inside this checkpoint: a run resumed from it writes the next index.
         self.project_config.iteration = index + 1
         self._write(trainer, target.temporary)
-        self._on_managers(trainer, lambda: publish(target))
-        self._on_managers(trainer, self._rotate)
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AsyncNamingCheckpointIO):  # written by global rank 0's thread: renamed there once landed
+            if trainer.is_global_zero:
+                io.then(lambda: self._publish_and_rotate(target))
+        else:
+            self._on_managers(trainer, lambda: publish(target))
+            self._on_managers(trainer, self._rotate)
         self._record(trainer, str(final))
         return str(final)
 
@@ -259,6 +282,10 @@ class CheckpointRotation(ModelCheckpoint):
         trainer.strategy.barrier("CheckpointRotation.write_node_copies")
         if self.project_config.save_on_each_node:  # a sharded folder: each node gets the shards it lacks
             complete_on_each_node(temporary, node_manager=trainer.local_rank == 0, what="CheckpointRotation")
+
+    def _publish_and_rotate(self, target: SaveTarget) -> None:
+        publish(target)
+        self._rotate()
 
     def _rotate(self) -> None:
         rotate(self._directory, self.project_config.total_limit, folders_only=False)
@@ -327,6 +354,20 @@ def _check_project_config(project_config: object) -> None:
         raise ValueError(
             f"ProjectConfiguration(total_limit={limit!r}) must be a positive integer (checkpoints to keep) or None to"
             " keep every checkpoint."
+        )
+
+
+def _check_async_io(checkpoint_io: object, project_config: ProjectConfiguration) -> None:
+    if isinstance(checkpoint_io, AsyncCheckpointIO):
+        raise ValueError(
+            "CheckpointRotation cannot follow Lightning's AsyncCheckpointIO: it would rename the checkpoint before the"
+            " background write landed. Use plugins=[lightning_accel.strategies.AsyncNamingCheckpointIO()] instead."
+        )
+    if isinstance(checkpoint_io, AsyncNamingCheckpointIO) and project_config.save_on_each_node:
+        raise ValueError(
+            "CheckpointRotation with ProjectConfiguration(save_on_each_node=True) copies each checkpoint to every"
+            " node, which needs the checkpoint complete at the save; AsyncNamingCheckpointIO writes it later. Drop"
+            " AsyncNamingCheckpointIO from the Trainer's plugins, or set save_on_each_node=False."
         )
 
 

@@ -13,6 +13,11 @@ Sharded engines stage on every process too (their gathers run in ``save_state``'
 I/O, except ``torch.distributed.checkpoint``'s planning and metadata (FSDP's sharded state dicts): those collectives
 run on :func:`background_group`, a gloo group of their own, as ``torch.distributed.checkpoint.async_save`` advises, so
 that they never interleave with training's collectives on the default group.
+
+The Trainer's and Fabric's asynchronous checkpoint I/O
+(:class:`~lightning_accel.strategies.checkpoint_io.AsyncNamingCheckpointIO`) writes its files through the same
+:func:`host_copy` and :class:`BackgroundSave`, and queues what must wait for a save to land (removing the previous
+checkpoint, renaming a rotated one) with :meth:`BackgroundSave.then`.
 """
 
 from __future__ import annotations
@@ -134,13 +139,26 @@ class BackgroundSave:
         together: Whether every process saves into the folder, so that it is published only once all are done
             (in :meth:`finish`, a collective); else ``publish`` runs in the thread after ``write``.
         what: The folder, for errors.
+        daemon: Whether the interpreter may exit without waiting for the thread (the shim waits in
+            ``end_training``); ``False`` makes a script that ends without waiting still finish the write.
 
     """
 
-    def __init__(self, write: Callable[[], None], publish: Callable[[], None], *, together: bool, what: str) -> None:
+    def __init__(
+        self,
+        write: Callable[[], None],
+        publish: Callable[[], None],
+        *,
+        together: bool,
+        what: str,
+        daemon: bool = True,
+    ) -> None:
         self._write, self._publish, self._together, self.what = write, publish, together, what
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="lightning-accel-checkpoint", daemon=True)
+        self._lock = threading.Lock()
+        self._follow_ups: list[Callable[[], None]] = []
+        self._published = False
+        self._thread = threading.Thread(target=self._run, name="lightning-accel-checkpoint", daemon=daemon)
         self._thread.start()
 
     def _run(self) -> None:
@@ -148,8 +166,41 @@ class BackgroundSave:
             self._write()
             if not self._together:
                 self._publish()
+                self._run_follow_ups()
         except BaseException as error:  # raised to the caller of finish()
             self._error = error
+
+    def _run_follow_ups(self) -> None:
+        """Run the queued follow-ups, then mark the save published so that later ones run at once."""
+        while True:
+            with self._lock:
+                if not self._follow_ups:
+                    self._published = True
+                    return
+                action = self._follow_ups.pop(0)
+            action()
+
+    def then(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once this save is published: in the thread, or now if it already is.
+
+        An action queued on a save that fails is dropped (what depends on the new checkpoint, such as removing the
+        previous one, never runs without it); an error of an action queued earlier is raised by :meth:`finish`.
+
+        Raises:
+            BaseException: What ``action`` raised, when it runs now.
+
+        """
+        with self._lock:
+            if not self._published:
+                self._follow_ups.append(action)
+                return
+        if self._error is None:
+            action()
+
+    @property
+    def together(self) -> bool:
+        """Whether every process saves together (finished by a collective :meth:`finish`)."""
+        return self._together
 
     @property
     def done(self) -> bool:
@@ -167,5 +218,6 @@ class BackgroundSave:
         if self._together:
             raise_on_every_process(self._error, f"the background save of {self.what}")
             self._publish()
+            self._run_follow_ups()
         elif self._error is not None:
             raise self._error

@@ -36,6 +36,7 @@ from lightning_accel.utils.other import write_error
 __all__ = [
     "SaveTarget",
     "abandon_on_error",
+    "move_into_place",
     "numbered_checkpoints",
     "on_disk_managers",
     "publish",
@@ -212,6 +213,18 @@ def rotate(root: Path, total_limit: int | None, *, folders_only: bool = True) ->
     found = numbered_checkpoints(root, folders_only=folders_only)
     for _, entry in found[: max(0, len(found) - total_limit)]:
         remove_entry(entry)
+
+
+def move_into_place(written: Path, final: Path) -> None:
+    """Give ``written`` (a complete file or folder) the name ``final``, durably.
+
+    One ``rename``; over an existing folder, entry by entry (each an atomic ``os.replace``), ``written`` removed.
+    """
+    if written.is_dir() and final.is_dir():
+        _merge(written, final)
+    else:
+        os.rename(written, final)
+    _fsync_directory(final.parent)
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -61,7 +61,7 @@ from lightning_accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from lightning_accel.utils.modeling import is_peft_model
 from lightning_accel.utils.modeling.checkpoint import contained_reader, read_checkpoint_file, weights_only_planner
 from lightning_accel.utils.operations import _is_main_process, _process_rank
-from lightning_accel.utils.other import load, torch_save
+from lightning_accel.utils.other import load, torch_save, write_error
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -74,6 +74,7 @@ __all__ = [
     "load_optimizer",
     "save_model",
     "save_optimizer",
+    "shard_failure",
 ]
 
 logger = get_logger(__name__)
@@ -140,23 +141,27 @@ def write_state(
     try:
         dcp.save({files.kind: state}, storage_writer=dcp.FileSystemWriter(files.sharded), process_group=group)
     except dcp.api.CheckpointException as error:
-        raise _shard_failure(error, files.sharded, rank) from error
+        raise shard_failure(error, files.sharded, rank) from error
     return files.sharded
 
 
-def _shard_failure(error: BaseException, directory: Path, rank: int) -> BaseException:
-    """What a failed DCP save raises on process ``rank``: its own failure, or an error naming the process that failed.
+def shard_failure(error: BaseException, directory: Path, rank: int) -> BaseException:
+    """What a failed DCP save of ``directory`` raises on process ``rank`` instead of DCP's ``CheckpointException``.
 
-    DCP raises its ``CheckpointException`` on every process, a ``BaseException`` that handlers of ``Exception`` (the
-    removal of a failed save's folder, the naming of a full disk) let pass.
+    Its own failure where this process failed, a full disk or the file size limit named by
+    :func:`~lightning_accel.utils.other.write_error`; else a ``RuntimeError`` naming the first process that failed
+    and why. DCP raises its ``CheckpointException`` on every process, a ``BaseException`` that handlers of
+    ``Exception`` (the removal of a failed save's folder) let pass.
     """
     failures: dict[int, tuple[BaseException, Any]] = getattr(error, "failures", {})
-    if rank in failures:
-        return failures[rank][0]
     if not failures:
         return RuntimeError(f"torch.distributed.checkpoint could not write {directory}: {error}")
-    first, (failure, _) = min(failures.items(), key=lambda item: item[0])
-    return RuntimeError(f"Process {first} could not write its shard of {directory}: {failure!r}")
+    failed = rank if rank in failures else min(failures)
+    cause = failures[failed][0]
+    named = write_error(cause, directory) or cause
+    if failed == rank:
+        return named
+    return RuntimeError(f"Process {failed} could not write its shard of {directory}: {named!r}")
 
 
 def _dcp_read(directory: Path, key: str, shards: Any, weights_only: bool, flatten: bool = True) -> Any:

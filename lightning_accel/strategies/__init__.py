@@ -15,6 +15,7 @@ from lightning_accel.strategies import (
     single_device,
     xla,
 )
+from lightning_accel.strategies.checkpoint_io import AsyncNamingCheckpointIO
 from lightning_accel.strategies.ddp import AcceleratedDDPStrategy, FabricAcceleratedDDPStrategy
 from lightning_accel.strategies.fsdp import AcceleratedFSDPStrategy, FabricAcceleratedFSDPStrategy
 from lightning_accel.strategies.parallel import AcceleratedParallelStrategy, FabricAcceleratedParallelStrategy
@@ -40,6 +41,7 @@ __all__ = [
     "AcceleratedFSDPStrategy",
     "AcceleratedParallelStrategy",
     "AcceleratedSingleDeviceStrategy",
+    "AsyncNamingCheckpointIO",
     "FabricAcceleratedDDPStrategy",
     "FabricAcceleratedFSDPStrategy",
     "FabricAcceleratedParallelStrategy",

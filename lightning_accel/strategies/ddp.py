@@ -6,15 +6,20 @@ Trainer's and Fabric's ``DDPStrategy``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.fabric.strategies import DDPStrategy as _FabricDDPStrategy
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy as _TrainerDDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_accel.config.devices import BACKEND_BY_TYPE
 from lightning_accel.enums import DistributedType
 from lightning_accel.lightning_compat import lightning_private_members
+from lightning_accel.strategies.checkpoint_io import wait_for_background_save
 from lightning_accel.strategies.ddp_core import DDPFamilyAdapter, DDPOptions
 from lightning_accel.strategies.lightning_arguments import FabricPlugins, ParallelArguments, TrainerPlugins
 from lightning_accel.strategies.precision_adoption import translating
@@ -81,6 +86,12 @@ class AcceleratedDDPStrategy(DDPFamilyAdapter, _TrainerDDPStrategy):
     def _register_ddp_hooks(self) -> None:
         """Hooks are registered by :meth:`_setup_model` on every device type (Lightning limits them to CUDA)."""
 
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load, after a background save of this run has landed (every process waits for it)."""
+        wait_for_background_save(self.checkpoint_io, lambda: self.barrier("load_checkpoint"))
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
 
 @lightning_private_members(
     "_configure_launcher",
@@ -111,6 +122,18 @@ class FabricAcceleratedDDPStrategy(ProcessGroupShards, DDPFamilyAdapter, _Fabric
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         return self._family.wrap(module, self._determine_ddp_device_ids())
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Lightning's load, after a background save of this run has landed (every process waits for it)."""
+        wait_for_background_save(self.checkpoint_io, lambda: self.barrier("load_checkpoint"))
+        return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 
 def _entries() -> tuple[StrategyEntry, ...]:

@@ -48,7 +48,11 @@ from lightning_accel.lightning_compat import (
     set_backward_sync_control,
     set_config_initialized,
 )
-from lightning_accel.strategies.checkpoint_io import NamingTorchCheckpointIO, resolve_weights_only
+from lightning_accel.strategies.checkpoint_io import (
+    NamingTorchCheckpointIO,
+    refuse_async_checkpoint_io,
+    resolve_weights_only,
+)
 from lightning_accel.strategies.deepspeed_core import (
     DeepSpeedFamily,
     TrainingFacts,
@@ -414,6 +418,13 @@ class AcceleratedDeepSpeedStrategy(_DeepSpeedFamilyAdapter, _TrainerDeepSpeedStr
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write DeepSpeed's checkpoint folder (and the full weights where the plugin asks for them).
+
+        Raises:
+            ValueError: If the checkpoint I/O saves in the background, which DeepSpeed's engine does not use.
+
+        """
+        refuse_async_checkpoint_io(self.checkpoint_io, "acc_deepspeed's checkpoint folder", _DEEPSPEED_ASYNC_FIX)
         filepath = self.broadcast(filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self._family.save_full_weights(self.deepspeed_engine, filepath)
@@ -630,6 +641,13 @@ class FabricAcceleratedDeepSpeedStrategy(
         storage_options: Any | None = None,
         filter: dict[str, Any] | None = None,
     ) -> None:
+        """Write DeepSpeed's checkpoint folder (and the full weights where the plugin asks for them).
+
+        Raises:
+            ValueError: If the checkpoint I/O saves in the background, which DeepSpeed's engine does not use.
+
+        """
+        refuse_async_checkpoint_io(self.checkpoint_io, "acc_deepspeed's checkpoint folder", _DEEPSPEED_ASYNC_FIX)
         path = self.broadcast(path)
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         self._family.save_full_weights(self.model, path)
@@ -638,6 +656,13 @@ class FabricAcceleratedDeepSpeedStrategy(
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register nothing: the ``acc_deepspeed*`` names come from lightning_accel's table."""
+
+
+_DEEPSPEED_ASYNC_FIX = (
+    "Drop the asynchronous CheckpointIO from the plugins (acc_deepspeed saves synchronously), or save in the"
+    " background with acc_ddp or acc_fsdp. DeepSpeed's own background writer (the config's"
+    " checkpoint.writer.decoupled) needs its async_io op, built against libaio (`apt install libaio-dev`)."
+)
 
 
 def _loop_accumulation(config: Mapping[str, Any], steps: int | None) -> int | None:

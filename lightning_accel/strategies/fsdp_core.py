@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Generator, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,13 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accel.checkpoint.background import BackgroundSave, background_group, host_copy
+from lightning_accel.checkpoint.folders import move_into_place
+from lightning_accel.checkpoint.fsdp_layout import shard_failure
 from lightning_accel.checkpoint.fsdp_policy import check_state_dict_configs, state_dict_options
 from lightning_accel.config import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from lightning_accel.enums import DistributedType
+from lightning_accel.strategies.checkpoint_io import writing_path
 from lightning_accel.strategies.compile import apply_dynamo
 from lightning_accel.strategies.ddp_core import ProcessGroupOptions
 from lightning_accel.strategies.fsdp_optimizers import optimizer_parameter_names, repoint_optimizers
@@ -189,6 +194,47 @@ class FSDPFamily:
         dcp.save({k: v for k, v in state.items() if k in keys}, checkpoint_id=path)
         if is_global_zero:
             torch_save({k: v for k, v in state.items() if k not in keys}, path / METADATA_FILENAME)
+
+    def start_sharded_save(
+        self, state: dict[str, Any], shard_keys: Iterable[str], path: Path, is_global_zero: bool
+    ) -> BackgroundSave:
+        """Start writing :meth:`save_sharded`'s directory in the background; every process must call it.
+
+        torch's ``dcp.async_save`` copies the shards on the caller's thread and writes them into the hidden sibling
+        ``.<name>.writing`` (its collectives on a process group of their own, so that they never interleave with
+        training's); process 0 writes ``meta.pt`` there, from a host copy made now. The directory gets its name in
+        :meth:`BackgroundSave.finish` (a collective), once every process has written its shards.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        keys = set(shard_keys)
+        writing = writing_path(path)
+        writing.mkdir(parents=True, exist_ok=True)
+        shards = {k: v for k, v in state.items() if k in keys}
+        written = dcp.async_save(shards, checkpoint_id=writing, process_group=background_group())
+        assert isinstance(written, Future)  # the default stager's answer (AsyncSaveResponse comes with another)
+        meta = host_copy({k: v for k, v in state.items() if k not in keys}) if is_global_zero else None
+
+        def write() -> None:
+            try:
+                written.result()
+            except CheckpointException as error:  # a BaseException
+                raise shard_failure(error, writing, torch.distributed.get_rank()) from error
+            if meta is not None:
+                torch_save(meta, writing / METADATA_FILENAME)
+
+        def publish() -> None:
+            if is_global_zero:
+                move_into_place(writing, path)
+
+        return BackgroundSave(write, publish, together=True, what=str(path), daemon=False)
+
+    def start_trainer_save(self, checkpoint: dict[str, Any], path: Path, is_global_zero: bool) -> BackgroundSave:
+        """:meth:`save_trainer_checkpoint` in the background (see :meth:`start_sharded_save`)."""
+        state = _optimizer_list_to_keys(dict(checkpoint))
+        shard_keys = [k for k in state if k == _MODEL_KEY or k.startswith(_OPTIMIZER_PREFIX)]
+        return self.start_sharded_save(state, shard_keys, path, is_global_zero)
 
     def load_into(
         self, path: Path, state: dict[str, Any], model: Module, strict: bool = True, *, weights_only: bool = True

@@ -18,13 +18,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.lightning_compat import get_forward_redirection
-from lightning_accel.strategies.checkpoint_io import resolve_weights_only
+from lightning_accel.strategies.checkpoint_io import (
+    AsyncNamingCheckpointIO,
+    resolve_weights_only,
+    wait_for_background_save,
+)
 from lightning_accel.strategies.fsdp_core import FSDPFamily, checkpoint_value, load_target_error
 
 if TYPE_CHECKING:
@@ -33,6 +38,26 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as _TrainerBase
 else:
     _FabricBase = _TrainerBase = object
+
+
+def _background_io(checkpoint_io: CheckpointIO) -> AsyncNamingCheckpointIO | None:
+    """The strategy's I/O where sharded saves run in the background; it waits for the pending save first.
+
+    Raises:
+        ValueError: If the I/O is Lightning's ``AsyncCheckpointIO``, which a sharded directory cannot go through.
+
+    """
+    if isinstance(checkpoint_io, AsyncCheckpointIO):
+        raise ValueError(
+            "Lightning's AsyncCheckpointIO cannot save a sharded checkpoint (SHARDED_STATE_DICT: a directory written"
+            " by torch.distributed.checkpoint, not through a CheckpointIO), so the save would silently be"
+            " synchronous. Use plugins=[lightning_accel.strategies.AsyncNamingCheckpointIO()], which saves it with"
+            " torch's dcp.async_save."
+        )
+    if not isinstance(checkpoint_io, AsyncNamingCheckpointIO):
+        return None
+    checkpoint_io.wait()  # the previous save (a collective when it was sharded), its error raised
+    return checkpoint_io
 
 
 class _HasCheckpointIO(Protocol):
@@ -133,6 +158,7 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
         Raises:
             TypeError: If ``storage_options`` are given for a sharded checkpoint, which ``CheckpointIO`` does not
                 write.
+            ValueError: If the checkpoint I/O saves in the background and the checkpoint is sharded.
 
         """
         path = Path(self.broadcast(filepath))
@@ -145,7 +171,11 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
                     f"{self._checkpoint_label} sharded checkpoints take no `storage_options`; drop them, or set"
                     " FullyShardedDataParallelPlugin(state_dict_type='FULL_STATE_DICT') to write through CheckpointIO."
                 )
-            self._sharding.save_trainer_checkpoint(checkpoint, path, self.is_global_zero)
+            background = _background_io(self._full_checkpoint_io())
+            if background is None:
+                self._sharding.save_trainer_checkpoint(checkpoint, path, self.is_global_zero)
+            else:
+                background.hold(self._sharding.start_trainer_save(checkpoint, path, self.is_global_zero))
         self.barrier(f"{self._checkpoint_label}.save_checkpoint")
 
     @override
@@ -153,6 +183,7 @@ class ShardedTrainerAdapter(_Sharded, _TrainerBase):
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         assert self.model is not None and self.lightning_module is not None
+        wait_for_background_save(self._full_checkpoint_io(), lambda: self.barrier("load_checkpoint"))
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         strict = self.lightning_module.strict_loading
@@ -179,15 +210,17 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
 
         Raises:
             TypeError: If ``storage_options`` or ``filter`` are given.
-            ValueError: If ``state`` holds other than exactly one module.
+            ValueError: If ``state`` holds other than exactly one module, or the checkpoint I/O saves in the
+                background and the checkpoint is sharded.
 
         """
         if storage_options is not None or filter is not None:
             raise TypeError(
                 f"{self._checkpoint_label} checkpoints take neither `storage_options` nor `filter`; drop them."
             )
-        path = Path(self.broadcast(path))
         io = self._sharding
+        background = None if io.full_state_dict else _background_io(self._full_checkpoint_io())
+        path = Path(self.broadcast(path))
         module = self._single_module(state)
         converted = {
             key: io.model_state_dict(value)
@@ -202,7 +235,10 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
                 self._full_checkpoint_io().save_checkpoint(converted, path)
         else:
             shards = [k for k, v in state.items() if isinstance(v, (Module, Optimizer))]
-            io.save_sharded(converted, shards, path, self.is_global_zero)
+            if background is None:
+                io.save_sharded(converted, shards, path, self.is_global_zero)
+            else:
+                background.hold(io.start_sharded_save(converted, shards, path, self.is_global_zero))
         self.barrier(f"{self._checkpoint_label}.save_checkpoint")
 
     @override
@@ -221,6 +257,7 @@ class ShardedFabricAdapter(_Sharded, _FabricBase):
             ValueError: If ``state`` is neither a module nor a dict holding exactly one module.
 
         """
+        wait_for_background_save(self._full_checkpoint_io(), lambda: self.barrier("load_checkpoint"))
         if isinstance(state, Module):  # fabric.load_raw(path, model): a plain full state-dict file
             raw = Path(self.broadcast(path))
             self._sharding.load_raw_module(raw, state, strict=strict, weights_only=resolve_weights_only(weights_only))

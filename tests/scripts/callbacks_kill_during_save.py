@@ -2,6 +2,8 @@
 
 ``--mode train``: the save of ``checkpoint_{--stall-at}`` writes half of its bytes, creates ``--ready`` and sleeps
 (the test kills the process there). ``--mode resume``: resume with ``ckpt_path="last"`` and print a JSON summary.
+``--background``: the same writer runs inside ``AsyncNamingCheckpointIO``, so the stall is in its thread (training goes
+on to the next save, which waits for it) and the half-written file is the hidden ``.checkpoint_2.incomplete.writing``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_accel  # noqa: F401  (registers the acc_* names)
 from lightning_accel.callbacks import CheckpointRotation, complete_checkpoints
 from lightning_accel.config import ProjectConfiguration
+from lightning_accel.strategies import AsyncNamingCheckpointIO
 
 
 class StallingCheckpointIO(TorchCheckpointIO):
@@ -73,10 +76,13 @@ def main() -> None:
     parser.add_argument("--ready", type=Path)
     parser.add_argument("--stall-at", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--background", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-    plugins = [StallingCheckpointIO(args.stall_at, args.ready)] if args.mode == "train" else []
+    plugins: list[Any] = [StallingCheckpointIO(args.stall_at, args.ready)] if args.mode == "train" else []
+    if args.background:
+        plugins = [AsyncNamingCheckpointIO(*plugins)]
     rotation = CheckpointRotation(
         ProjectConfiguration(args.project, automatic_checkpoint_naming=True, total_limit=2), every_n_train_steps=1
     )

@@ -443,10 +443,15 @@ def test_rng_states_round_trip_and_gather_without_a_process_group() -> None:
 
 
 @pytest.mark.launch
-def test_sigkill_during_a_save_leaves_earlier_checkpoints_intact_and_resumable(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "AsyncNamingCheckpointIO"])
+def test_sigkill_during_a_save_leaves_earlier_checkpoints_intact_and_resumable(
+    tmp_path: Path, background: bool
+) -> None:
     ready = tmp_path / "stalled"
     script = SCRIPTS / "callbacks_kill_during_save.py"
+    io_flag = ["--background"] if background else []
     command = [sys.executable, str(script), "--mode", "train", "--project", str(tmp_path), "--ready", str(ready)]
+    command += io_flag
     process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -469,13 +474,15 @@ def test_sigkill_during_a_save_leaves_earlier_checkpoints_intact_and_resumable(t
 
     directory = tmp_path / "checkpoints"
     partial = Path(ready.read_text())
-    assert partial == directory / ".checkpoint_2.incomplete" and partial.stat().st_size > 0
+    written = ".checkpoint_2.incomplete.writing" if background else ".checkpoint_2.incomplete"
+    assert partial == directory / written and partial.stat().st_size > 0
     assert [p.name for p in complete_checkpoints(directory)] == ["checkpoint_0", "checkpoint_1"]
     for name in ("checkpoint_0", "checkpoint_1"):
         torch.load(directory / name, weights_only=True)
     assert latest_checkpoint(tmp_path) == str(directory / "checkpoint_1")
 
-    proc = run_python([str(script), "--mode", "resume", "--project", str(tmp_path), "--max-steps", "4"], timeout=120)
+    resume = [str(script), "--mode", "resume", "--project", str(tmp_path), "--max-steps", "4", *io_flag]
+    proc = run_python(resume, timeout=120)
     summary = json.loads(proc.stdout.split("SUMMARY ", 1)[1])
     assert summary["resumed_at_step"] == 2
     assert summary["global_step"] == 4
