@@ -6,8 +6,9 @@ machine (these machines are noisy; only ratios inside one run are compared). The
 for: the whole call for the synchronous variants, the call alone for ``save_state(async_save=True)`` (which returns
 once the state is copied into host memory); ``wait_for_checkpoint`` (the background write) is timed apart and not
 counted. Our synchronous save is timed with each manifest checksum: CRC-32 (the default), sha256, and sizes only
-(``checksum=None``), the checksums computed while the files are written. Medians over the rounds are printed, and each
-variant's ratio to raw ``torch.save``.
+(``checksum=None``), the checksums computed while the files are written. Before each save the page cache is
+written back (``os.sync``), so that no save pays for its predecessors' dirty pages. Medians over the rounds are printed,
+and each variant's ratio to raw ``torch.save``.
 
     python benchmarks/checkpoint.py --rounds 5
     torchrun --nproc_per_node 2 benchmarks/checkpoint.py --rounds 5     # DDP: the main process writes the files
@@ -119,6 +120,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         for index, (name, save) in enumerate(variants.items()):
             folder = root / f"r{round_index}-{index}"
+            os.sync()  # every save starts with no dirty pages: the kernel's writeback throttling meets none of them
             torch.distributed.barrier() if torch.distributed.is_initialized() else None
             start = time.perf_counter()
             measured = save(folder)
