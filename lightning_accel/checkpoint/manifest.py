@@ -148,6 +148,13 @@ class Checksums:
         self._known: dict[Path, tuple[tuple[int, int], Future[str]]] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, object]:
+        """The algorithm alone: a pickled ``Accelerator`` carries no thread, lock or pending checksum."""
+        return {"algorithm": self.algorithm}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(cast("ChecksumName | None", state["algorithm"]))  # type: ignore[misc]
+
     def _threads(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:

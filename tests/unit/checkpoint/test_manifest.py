@@ -142,3 +142,14 @@ def test_without_checksums_the_manifest_records_sizes_and_still_finds_a_truncate
     weights.write_bytes(bytes(data[:-4]))
     with pytest.raises(CheckpointIntegrityError, match=r"model\.safetensors has \d+ bytes, \d+ when saved"):
         accelerator.load_state(folder)
+
+
+def test_a_pickled_accelerator_carries_its_checksum_choice_and_no_thread(tmp_path: Path) -> None:
+    import pickle
+
+    checksums = pickle.loads(pickle.dumps(Checksums("sha256")))
+    with observing_writes(checksums):
+        torch_save({"w": torch.arange(1 << 19, dtype=torch.float32)}, tmp_path / "w.bin")
+    write_manifest(tmp_path, checksums)
+    recorded = json.loads((tmp_path / MANIFEST_NAME).read_text())["files"]["w.bin"]
+    assert recorded["sha256"] == hashlib.sha256((tmp_path / "w.bin").read_bytes()).hexdigest()
