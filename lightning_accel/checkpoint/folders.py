@@ -156,7 +156,7 @@ def publish(target: SaveTarget) -> None:
     if final.is_dir():
         for staged in target.staged():
             _hand_in(staged, final)
-    _fsync_directory(final.parent)
+    _fsync(final.parent)
 
 
 def stage(
@@ -207,12 +207,31 @@ def _merge(source: Path, destination: Path) -> None:
 
 
 def rotate(root: Path, total_limit: int | None, *, folders_only: bool = True) -> None:
-    """Delete the oldest ``checkpoint_<i>`` entries of ``root`` so that ``total_limit`` remain."""
+    """Delete the oldest ``checkpoint_<i>`` entries of ``root`` so that ``total_limit`` remain.
+
+    Before anything is deleted, the newest checkpoint's files are written through to the disk (:func:`make_durable`):
+    a save returns once its files are in the page cache, and a crash before the kernel writes them back would
+    otherwise leave a torn newest checkpoint and no older one.
+    """
     if total_limit is None:
         return
     found = numbered_checkpoints(root, folders_only=folders_only)
-    for _, entry in found[: max(0, len(found) - total_limit)]:
+    doomed = found[: max(0, len(found) - total_limit)]
+    if doomed and len(doomed) < len(found):
+        make_durable(found[-1][1])
+    for _, entry in doomed:
         remove_entry(entry)
+
+
+def make_durable(entry: Path) -> None:
+    """``fsync`` a checkpoint file, or every file and folder of a checkpoint folder (symbolic links followed)."""
+    if not entry.is_dir():
+        _fsync(entry)
+        return
+    for folder, _, files in os.walk(entry, followlinks=True):
+        for name in files:
+            _fsync(Path(folder, name))
+        _fsync(Path(folder))
 
 
 def move_into_place(written: Path, final: Path) -> None:
@@ -224,11 +243,12 @@ def move_into_place(written: Path, final: Path) -> None:
         _merge(written, final)
     else:
         os.rename(written, final)
-    _fsync_directory(final.parent)
+    _fsync(final.parent)
 
 
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """Write ``path``'s data (a file's contents, a folder's entries) through to the disk."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_accel  # noqa: F401  (registers the acc_* names)
 from lightning_accel.config import DeepSpeedPlugin
 from lightning_accel.precision import FP8Precision
+from lightning_accel.state import destroy_process_group
 
 STEPS = 12
 BATCH = 16
@@ -152,7 +153,7 @@ def main() -> None:
         for variant, stage in (("fp8", 2), ("fp8", 3), ("bf16", 2)):
             engine_check(args.out, variant, stage)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()  # drains gloo's work and DeepSpeed's groups first (a bare destroy aborted now and then)
 
 
 if __name__ == "__main__":

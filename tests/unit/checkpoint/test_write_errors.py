@@ -8,6 +8,7 @@ previous checkpoint stays the one ``load_state`` and rotation see, and no tempor
 from __future__ import annotations
 
 import errno
+import os
 import resource
 import subprocess
 from collections.abc import Iterator
@@ -70,6 +71,29 @@ def test_a_save_past_the_file_size_limit_names_the_file_and_keeps_the_previous_c
         assert torch.equal(tensor, saved[name]), name
     accelerator.save_state(safe_serialization=safe_serialization)  # the limit gone, the next save rotates as usual
     assert [entry.name for _, entry in numbered_checkpoints(checkpoints)] == ["checkpoint_1"]
+
+
+def test_rotation_writes_the_newest_checkpoint_to_disk_before_deleting_the_older(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accelerator, _ = _rotating_accelerator(tmp_path)
+    accelerator.save_state()
+    checkpoints = tmp_path / "checkpoints"
+    synced_while_older_existed: set[Path] = set()
+    real_fsync = os.fsync
+
+    def recording_fsync(descriptor: int) -> None:
+        if (checkpoints / "checkpoint_0").exists():
+            synced_while_older_existed.add(Path(os.readlink(f"/proc/self/fd/{descriptor}")))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    accelerator.save_state()
+    newest = checkpoints / "checkpoint_1"
+    assert [entry.name for _, entry in numbered_checkpoints(checkpoints)] == ["checkpoint_1"]
+    written = {newest, *newest.rglob("*")}
+    assert {"model.safetensors", "random_states_0.pkl"} <= {path.name for path in written}
+    assert written <= synced_while_older_existed, sorted(written - synced_while_older_existed)
 
 
 def test_a_full_disk_names_the_file_the_folder_and_the_free_space(tmp_path: Path) -> None:
