@@ -1,7 +1,7 @@
 """A rank that stops answering ends the whole job within the process-group timeout plus a few seconds.
 
 Rank 1 sleeps at step 2 outside any collective; rank 0 waits for it in the next gradient all-reduce and fails on the
-timeout (5 s). Under the Trainer, Lightning started rank 1 as a child of rank 0 and watches it, but not the other way
+timeout (20 s). Under the Trainer, Lightning started rank 1 as a child of rank 0 and watches it, but not the other way
 round: with Lightning's own ``ddp`` rank 1 stays behind as an orphan. With ``acc_ddp`` it notices rank 0 has gone,
 says so naming both ranks, and ends. Under ``torchrun`` (the ``Accelerator`` loop) the agent ends the other workers
 once one fails. Either way every process is gone within the timeout + 10 s of rank 1 getting stuck.
@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import SCRIPTS, clean_env, free_port
 
-TIMEOUT_S = 5.0
+TIMEOUT_S = 20.0  # also the store connect timeout: rank 1 waited >5 s for rank 0's store on 2 loaded cores
 SLACK_S = 10.0
 
 
