@@ -21,7 +21,7 @@ Scenarios (reference: Lightning's ``ddp`` on the same program, in the same invoc
 ``TORCH_COMPILE_DISABLE=1`` for every run, reference included: ``pretrain.main`` compiles the model, and CPU inductor
 compiles in 2 processes for each of 7 launches would not fit the budget; the comparison is of the strategies.
 
-Usage: ``python tests/clients/litgpt/run_client.py --out RESULT.json [--work DIR] [--only GLOB] [--venv-only]``.
+Usage: ``python tests/clients/litgpt/run_client.py --out RESULT.json [--work DIR] [--only GLOB]``.
 """
 
 from __future__ import annotations
@@ -275,12 +275,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--only", default="*")
-    parser.add_argument("--venv-only", action="store_true", help="build .venv-litgpt and stop (.ci/run, early)")
     args = parser.parse_args()
     start = time.perf_counter()
     venv = ensure_venv()
-    if args.venv_only:
-        return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="litgpt-client-"))
     launches = Launches(work)
     results = []
