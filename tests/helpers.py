@@ -83,6 +83,25 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> l
     return outputs
 
 
+def run_pythons_at_once(argvs: list[list[str]], timeout: float, what: str, **extra_env: str) -> list[str]:
+    """Run ``python <argv>`` for each of ``argvs`` at the same time (one-process runs: 2 cores run two at once).
+
+    Returns their outputs (stdout, with stderr), as :func:`wait_all`, which also says what raises.
+    """
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            env=clean_env(**extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for argv in argvs
+    ]
+    return wait_all(procs, timeout, what)
+
+
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Start ``nproc`` copies of ``tests/scripts/<script>`` with ``torch.distributed.run`` on a free loopback port."""
     return run_python(

@@ -101,15 +101,6 @@ def _assert_same_weights(path: Path, reference: dict[str, torch.Tensor]) -> None
         assert torch.equal(tensor, reference[name]), name
 
 
-def test_srun_trains_as_torchrun(reference: tuple[str, dict], tmp_path: Path, bin_dir: Path) -> None:
-    kind, weights = reference
-    out = tmp_path / "weights.pt"
-    outputs = wait_all(_srun(_example_args(kind, tmp_path / "run", out), bin_dir), TIMEOUT, f"srun {kind}")
-    _assert_same_weights(out, weights)
-    assert _summary(kind) in outputs[0]
-    assert not (bin_dir / "scontrol.log").exists()
-
-
 def _wait_for_files(paths: list[Path], procs: list[subprocess.Popen[str]], what: str) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not all(path.exists() for path in paths):
@@ -129,7 +120,11 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
 def test_sigusr1_saves_requeues_and_the_requeued_job_resumes(
     reference: tuple[str, dict], tmp_path: Path, bin_dir: Path
 ) -> None:
-    """SIGUSR1 to both tasks at one point of training: a save, ``scontrol requeue <job>``; the rerun resumes."""
+    """SIGUSR1 to both tasks at one point of training: a save, ``scontrol requeue <job>``; the rerun resumes.
+
+    The requeued run is a whole ``srun`` run too: one group of 2 processes found by ``SLURMEnvironment`` (its summary
+    line), ending with ``torchrun``'s weights and no second requeue.
+    """
     kind, weights = reference
     work, out, ready = tmp_path / "run", tmp_path / "weights.pt", tmp_path / "ready"
     pause = ["--pause-at", "0" if kind == "trainer" else "9", "--ready", str(ready)]

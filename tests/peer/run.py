@@ -1,10 +1,11 @@
 """The peer stage: Hugging Face Accelerate's own test files, run against HF accelerate and against lightning_accel.
 
 The files come from the ``accelerate`` sdist on the package index (downloaded once into the cache folder, never
-committed). Each side runs them in one pytest process: HF's side imports the installed accelerate; our side sets
-``LIGHTNING_ACCEL_ALIAS=1`` with ``site/`` on ``PYTHONPATH``, so ``accelerate`` is lightning_accel in that process and
-every process it starts (see ``site/sitecustomize.py``). The stage prints each file's pass counts side by side and
-fails when
+committed). Each side runs them in a pytest process, both sides at the same time (most of these tests use one
+core), then the files that bind ``debug_launcher``'s fixed port one side after the other. HF's side imports the
+installed accelerate; our side sets ``LIGHTNING_ACCEL_ALIAS=1`` with ``site/`` on ``PYTHONPATH``, so ``accelerate``
+is lightning_accel in that process and every process it starts (see ``site/sitecustomize.py``). The stage prints
+each file's pass counts side by side and fails when
 
 - a file passes fewer tests on our side than ``floor.json`` records, or
 - a test that passes on HF's side fails on ours and ``differences.yaml`` does not give the reason (its keys are test
@@ -20,6 +21,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -46,6 +49,9 @@ SIDES = ("hf", "ours")
 # accelerate's side for its whole time limit in CI (our ClearMLTracker is compared with HF's in
 # tests/unit/tracking/test_trackers_more.py, with repository detection off).
 DESELECTED = ("ClearMLTest",)  # test classes, matched as pytest -k keywords
+# Files whose tests start processes with ``debug_launcher``, which binds the fixed port 29500: the two sides run the
+# other files at the same time (most of their tests use one core), then these one side after the other.
+ONE_SIDE_AT_A_TIME = ("test_cpu", "test_scheduler", "test_grad_sync")
 
 
 @dataclass
@@ -54,6 +60,10 @@ class SideResult:
 
     outcomes: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+
+    def add(self, other: SideResult) -> SideResult:
+        """This side's outcomes with those of another run of the same side (other files), times added."""
+        return SideResult({**self.outcomes, **other.outcomes}, self.seconds + other.seconds)
 
     def passed(self, file: str) -> set[str]:
         return {tid for tid, outcome in self.outcomes.items() if outcome == "passed" and tid.split("::")[0] == file}
@@ -87,26 +97,66 @@ def side_environment(side: str, log: Path) -> dict[str, str]:
 
 
 def run_side(
-    side: str, root: Path, targets: list[str], out: Path, timeout: int, test_timeout: int, label: str = ""
+    side: str,
+    root: Path,
+    targets: list[str],
+    out: Path,
+    timeout: int,
+    test_timeout: int,
+    label: str = "",
+    quiet: bool = False,
 ) -> SideResult:
-    """Run ``targets`` (test files or node ids) in one pytest process for ``side``; read its JUnit XML."""
-    xml, log = out / f"{side}{label}.xml", out / f"{side}{label}-aliased.log"
-    for path in (xml, log):
+    """Run ``targets`` (test files or node ids) in one pytest process for ``side``; read its JUnit XML.
+
+    With ``quiet``, pytest's output goes to ``<out>/<side><label>.log`` and is printed, whole, once it ends (for two
+    runs at the same time).
+    """
+    xml, log, output = (out / f"{side}{label}{suffix}" for suffix in (".xml", "-aliased.log", ".log"))
+    for path in (xml, log, output):
         path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "peer_plugin", "-o", "addopts="]
     command += ["--continue-on-collection-errors", f"--timeout={test_timeout}", f"--junitxml={xml}", "-rfE"]
     command += ["-k", " and ".join(f"not {name}" for name in DESELECTED)]
     command += targets
-    print(f"\n==== {side}: {' '.join(command[2:])}", flush=True)
+    print(f"\n==== {side}{label}: {' '.join(command[2:])}", flush=True)
     start = time.monotonic()
-    try:
-        subprocess.run(command, cwd=root, env=side_environment(side, log), timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        print(f"==== {side}: stopped after {timeout} s; counting what the JUnit file holds", flush=True)
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(output.open("w")) if quiet else None
+        try:
+            subprocess.run(
+                command,
+                cwd=root,
+                env=side_environment(side, log),
+                timeout=timeout,
+                check=False,
+                stdout=sink,
+                stderr=subprocess.STDOUT if quiet else None,
+            )
+        except subprocess.TimeoutExpired:
+            print(f"==== {side}{label}: stopped after {timeout} s; counting what the JUnit file holds", flush=True)
+    if quiet:
+        print(f"\n==== {side}{label}: output\n{output.read_text()}", flush=True)
     result = SideResult(seconds=time.monotonic() - start)
     if xml.exists():
         result.outcomes = read_junit(xml)
     return result
+
+
+def run_both(root: Path, files: list[str], out: Path, timeout: int, test_timeout: int) -> dict[str, SideResult]:
+    """Both sides: the files but ``ONE_SIDE_AT_A_TIME`` beside each other, then those one side after the other."""
+    together = [f"tests/{name}.py" for name in files if name not in ONE_SIDE_AT_A_TIME]
+    apart = [f"tests/{name}.py" for name in files if name in ONE_SIDE_AT_A_TIME]
+    results = {side: SideResult() for side in SIDES}
+    if together:
+        with concurrent.futures.ThreadPoolExecutor(len(SIDES)) as pool:
+            runs = {
+                side: pool.submit(run_side, side, root, together, out, timeout, test_timeout, quiet=True)
+                for side in SIDES
+            }
+            results = {side: run.result() for side, run in runs.items()}
+    for side in SIDES if apart else ():
+        results[side] = results[side].add(run_side(side, root, apart, out, timeout, test_timeout, label="-apart"))
+    return results
 
 
 def read_junit(path: Path) -> dict[str, str]:
@@ -121,6 +171,15 @@ def read_junit(path: Path) -> dict[str, str]:
         tags = {child.tag for child in case}
         outcomes[tid] = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
     return outcomes
+
+
+def read_side(out: Path, side: str) -> SideResult:
+    """A side's outcomes from its last run's JUnit files (the files run beside the other side's, then the rest)."""
+    result = SideResult()
+    for xml in (out / f"{side}.xml", out / f"{side}-apart.xml"):
+        if xml.exists():
+            result = result.add(SideResult(read_junit(xml)))
+    return result
 
 
 def report(files: list[str], results: dict[str, SideResult]) -> list[str]:
@@ -208,12 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sides = SIDES if args.side == "both" else (args.side,)
     targets = [f"tests/{name}.py" for name in args.files]
-    results = {
-        side: SideResult(read_junit(out / f"{side}.xml"))
-        if side == args.reuse
-        else run_side(side, root, targets, out, args.timeout, args.test_timeout)
-        for side in sides
-    }
+    if len(sides) == len(SIDES) and args.reuse is None:
+        results = run_both(root, args.files, out, args.timeout, args.test_timeout)
+    else:
+        results = {
+            side: read_side(out, side)
+            if side == args.reuse
+            else run_side(side, root, targets, out, args.timeout, args.test_timeout)
+            for side in sides
+        }
     for side, result in results.items():
         print(f"==== {side}: {len(result.outcomes)} tests in {result.seconds:.0f} s")
     if args.side != "both":

@@ -6,11 +6,12 @@ background write is held until the micro-batch after the call has stepped the we
 training goes on (FSDP's sharded saves run their collectives then, beside training's). Run B, from other initial
 weights, resumes from the latest checkpoint of each and trains the last 4. Each rank writes ``{variant}_rank{r}.pt``.
 
-``--phase kill``: a ~170 MB model saves ``checkpoint_0``, changes its weights, and every process kills itself (SIGKILL)
-once the background write of ``checkpoint_1`` has begun. ``--phase after_kill``: what the kill left, a fresh run's
-(other initial weights) ``load_state()`` and its next ``save_state()``; each rank writes ``after_kill_rank{r}.pt``.
-``--phase failing``: process 1's background write of ``checkpoint_1`` fails (file size limit); what each process's
-next call raised and what ``load_state()`` then loads go into ``failing_rank{r}.pt``.
+``--phase kill``: a ~170 MB model saves ``checkpoint_0`` (under ``--out/killed_{variant}``), changes its weights, and
+every process kills itself (SIGKILL) once the background write of ``checkpoint_1`` has begun. ``--phase after`` (one
+launch, after the kills): for each ``--killed`` variant, what the kill left, a fresh run's (other initial weights)
+``load_state()`` and its next ``save_state()`` (``after_kill_{variant}_rank{r}.pt``); then for each ``--failing``
+variant, process 1's background write of ``checkpoint_1`` fails (file size limit), and what each process's next call
+raised and what ``load_state()`` then loads go into ``failing_{variant}_rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def failing(variant: str, root: Path, out: Path) -> None:
     loaded = accelerator.load_state()
     state = weights(accelerator, model)
     result = {"raised": raised, "left": left, "loaded": loaded, "weights": state}
-    torch.save(result, out / f"failing_rank{accelerator.process_index}.pt")
+    torch.save(result, out / f"failing_{variant}_rank{accelerator.process_index}.pt")
 
 
 def after_kill(variant: str, root: Path, out: Path) -> None:
@@ -165,23 +166,26 @@ def after_kill(variant: str, root: Path, out: Path) -> None:
     accelerator.save_state()
     after = sorted(path.name for path in (root / "checkpoints").iterdir())
     result = {"left": left, "written": written, "loaded": loaded, "weights": state, "after": after}
-    torch.save(result, out / f"after_kill_rank{accelerator.process_index}.pt")
+    torch.save(result, out / f"after_kill_{variant}_rank{accelerator.process_index}.pt")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phase", choices=["compare", "kill", "after_kill", "failing"], required=True)
-    parser.add_argument("--variants", nargs="*", default=ASYNC_VARIANTS)
+    parser.add_argument("--phase", choices=["compare", "kill", "after"], required=True)
+    parser.add_argument("--variants", nargs="*", default=ASYNC_VARIANTS, help="compare: all; kill: the first")
+    parser.add_argument("--killed", nargs="*", default=[], help="after: the variants a kill phase ran")
+    parser.add_argument("--failing", nargs="*", default=[], help="after: the variants whose write is made to fail")
     args = parser.parse_args()
     if args.phase == "compare":
         compare(args.out, args.variants)
     elif args.phase == "kill":
-        kill(args.variants[0], args.out / "killed")
-    elif args.phase == "failing":
-        failing(args.variants[0], args.out / "failing", args.out)
+        kill(args.variants[0], args.out / f"killed_{args.variants[0]}")
     else:
-        after_kill(args.variants[0], args.out / "killed", args.out)
+        for variant in args.killed:
+            after_kill(variant, args.out / f"killed_{variant}", args.out)
+        for variant in args.failing:
+            failing(variant, args.out / f"failing_{variant}", args.out)
     Accelerator(cpu=True).end_training()
 
 

@@ -137,15 +137,27 @@ def test_a_resume_from_the_background_save_is_a_resume_from_the_synchronous_one(
     assert main["async"]["b"]["lr"] == main["sync"]["b"]["lr"]
 
 
+KILLED, FAILING = ["fsdp2_sharded", "zero3"], ["fsdp2_sharded", "zero2"]
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict[str, Any]]]]:
+    """One killed launch per variant of ``KILLED``, then one launch that looks at what each left and fails writes."""
+    out = tmp_path_factory.mktemp("async_engine_faults")
+    for variant in KILLED:
+        with pytest.raises(AssertionError, match=r"exitcode\s*: -9"):  # torchrun reports the SIGKILL
+            torchrun(SCRIPT, "--out", str(out), "--variants", variant, "--phase", "kill", timeout=300)
+    torchrun(SCRIPT, "--out", str(out), "--phase", "after", "--killed", *KILLED, "--failing", *FAILING, timeout=400)
+    return out, load_rank_results(out)
+
+
 @pytest.mark.launch
-@pytest.mark.parametrize("variant", ["fsdp2_sharded", "zero3"])
-def test_a_save_killed_in_its_background_write_is_never_loaded(tmp_path: Path, variant: str) -> None:
-    args = ["--out", str(tmp_path), "--variants", variant]
-    with pytest.raises(AssertionError, match=r"exitcode\s*: -9"):  # torchrun reports the SIGKILL
-        torchrun(SCRIPT, *args, "--phase", "kill", timeout=300)
-    torchrun(SCRIPT, *args, "--phase", "after_kill", timeout=300)
-    main = load_rank_results(tmp_path)["after_kill"][0]
-    checkpoints = tmp_path / "killed" / "checkpoints"
+@pytest.mark.parametrize("variant", KILLED)
+def test_a_save_killed_in_its_background_write_is_never_loaded(
+    faults: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
+) -> None:
+    main = faults[1][f"after_kill_{variant}"][0]
+    checkpoints = faults[0] / f"killed_{variant}" / "checkpoints"
     # The killed process leaves its part of the temporary folder; a process whose background collective then fails
     # (its peer is gone) removes the folder as for any failed write: either way checkpoint_1 never appears.
     assert main["left"] in ([".checkpoint_1.incomplete", "checkpoint_0"], ["checkpoint_0"])
@@ -157,11 +169,12 @@ def test_a_save_killed_in_its_background_write_is_never_loaded(tmp_path: Path, v
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("variant", ["fsdp2_sharded", "zero2"])
-def test_a_background_write_failing_on_one_process_is_raised_on_both(tmp_path: Path, variant: str) -> None:
-    torchrun(SCRIPT, "--out", str(tmp_path), "--variants", variant, "--phase", "failing", timeout=300)
-    results = load_rank_results(tmp_path)["failing"]
-    checkpoints = tmp_path / "failing" / "checkpoints"
+@pytest.mark.parametrize("variant", FAILING)
+def test_a_background_write_failing_on_one_process_is_raised_on_both(
+    faults: tuple[Path, dict[str, list[dict[str, Any]]]], variant: str
+) -> None:
+    results = faults[1][f"failing_{variant}"]
+    checkpoints = faults[0] / f"failing_{variant}" / "checkpoints"
     for result in results:
         assert result["raised"] is not None  # wait_for_checkpoint raised it on both processes
         assert result["left"] == ["checkpoint_0"]  # the failed save's folder is gone
