@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -44,6 +45,8 @@ _GROUPS: dict[int, tuple[ProcessGroup, ProcessGroup]] = {}  # id(default group) 
 def background_group() -> ProcessGroup:
     """A gloo group of every process for the collectives of background saves, apart from training's.
 
+    Its collectives wait as long as the default group's (``InitProcessGroupKwargs(timeout=...)``).
+
     Collective the first time under a default group (every process creates it, in the same order as its other
     groups); the same group afterwards, until the default group is destroyed and another made.
     """
@@ -53,8 +56,21 @@ def background_group() -> ProcessGroup:
     default = _get_default_group()
     cached = _GROUPS.get(id(default))
     if cached is None or cached[0] is not default:
-        cached = _GROUPS[id(default)] = (default, cast("ProcessGroup", dist.new_group(backend="gloo")))
+        group = dist.new_group(backend="gloo", timeout=_timeout_of(default))
+        cached = _GROUPS[id(default)] = (default, cast("ProcessGroup", group))
     return cached[1]
+
+
+def _timeout_of(group: ProcessGroup) -> timedelta | None:
+    """The timeout ``group``'s collectives wait for (``init_process_group(timeout=...)``); ``None``: torch's default.
+
+    A group made without one waits torch's default (30 minutes for gloo), however short the default group's is.
+    """
+    for device in group._device_types:
+        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 class HostBuffers:

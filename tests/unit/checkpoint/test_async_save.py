@@ -13,17 +13,18 @@ import signal
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_accel import Accelerator
-from lightning_accel.checkpoint.background import HostBuffers, host_copy
+from lightning_accel.checkpoint.background import HostBuffers, background_group, host_copy
 from lightning_accel.checkpoint.manifest import MANIFEST_NAME
 from lightning_accel.utils import ProjectConfiguration, set_seed
 from lightning_accel.utils.other import CheckpointWriteError
-from tests.helpers import REPO, clean_env, reset_accelerator_states
+from tests.helpers import REPO, clean_env, free_port, reset_accelerator_states
 from tests.unit.checkpoint.test_write_errors import file_size_limit
 
 STEPS, SAVE_AT = 6, 3
@@ -199,3 +200,17 @@ def test_host_copies_are_saved_as_the_originals_byte_for_byte() -> None:
     assert saved(copied) == saved(state)
     assert copied["parameter"].untyped_storage().data_ptr() != layer.weight.untyped_storage().data_ptr()
     assert copied["row"].untyped_storage().data_ptr() == copied["parameter"].untyped_storage().data_ptr()
+
+
+def test_the_background_group_waits_as_long_as_the_default_group() -> None:
+    """Its collectives end on the timeout given to ``init_process_group`` (17 s here), not on torch's 30 minutes."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=17)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout)
+    try:
+        group = background_group()
+        assert group is not dist.group.WORLD
+        assert group._get_backend(torch.device("cpu")).options._timeout == timeout
+    finally:
+        dist.destroy_process_group()
