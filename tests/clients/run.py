@@ -8,7 +8,9 @@ HF accelerate, Lightning's built-in strategy; once under lightning_accel), compa
      "scenarios": [{"id": "<name>::<scenario>", "reference": "...", "comparison": "bit-identical",
                     "ok": true, "detail": "max abs diff 0"}]}
 
-This runner starts each client with a time limit, prints every scenario in one table and fails when
+This runner starts each client with a time limit, two at a time (``--jobs``: most clients keep the 2 cores busy only
+part of the time; each runner's output is printed whole when it ends), prints every scenario in one table and fails
+when
 
 - a scenario is not ok and the client's ``differences.yaml`` gives no reason for it (keys are scenario ids, or
   patterns where ``*`` matches anything), or
@@ -28,6 +30,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,20 +63,30 @@ def available_clients() -> list[str]:
 
 
 def run_client(name: str, out: Path, timeout: int) -> ClientResult:
-    """Start one client's runner with a time limit and read the result file it wrote."""
-    result_file = out / f"{name}.json"
+    """Start one client's runner with a time limit and read the result file it wrote.
+
+    The runner's output goes to ``<out>/<name>.log``, printed whole once it ends (two clients run at a time).
+    """
+    result_file, log = out / f"{name}.json", out / f"{name}.log"
     result_file.unlink(missing_ok=True)
     command = [sys.executable, str(HERE / name / "run_client.py"), "--out", str(result_file)]
     command += ["--work", str(out / name)]
-    print(f"\n==== client {name}: {' '.join(command[1:])}", flush=True)
+    print(f"\n==== client {name} started: {' '.join(command[1:])}", flush=True)
     start = time.monotonic()
-    try:
-        completed = subprocess.run(command, cwd=ROOT, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return ClientResult(name, seconds=time.monotonic() - start, broken=f"stopped after {timeout} s")
+    broken = None
+    with log.open("w") as sink:
+        try:
+            completed = subprocess.run(
+                command, cwd=ROOT, timeout=timeout, check=False, stdout=sink, stderr=subprocess.STDOUT
+            )
+            if completed.returncode != 0 or not result_file.exists():
+                broken = f"runner exited with {completed.returncode}"
+        except subprocess.TimeoutExpired:
+            broken = f"stopped after {timeout} s"
     seconds = time.monotonic() - start
-    if completed.returncode != 0 or not result_file.exists():
-        return ClientResult(name, seconds=seconds, broken=f"runner exited with {completed.returncode}")
+    print(f"\n==== client {name}: {seconds:.0f} s\n{log.read_text()}", flush=True)
+    if broken:
+        return ClientResult(name, seconds=seconds, broken=broken)
     data = json.loads(result_file.read_text())
     return ClientResult(name, scenarios=list(data["scenarios"]), seconds=seconds)
 
@@ -134,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / ".clients-cache", help="result files and work folders")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds for one client")
     parser.add_argument("--update-floor", action="store_true", help="write today's ok counts to each floor.json")
+    parser.add_argument("--jobs", type=int, default=2, help="clients run at the same time, in the order given")
     args = parser.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [run_client(name, args.out, args.timeout) for name in args.clients]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda name: run_client(name, args.out, args.timeout), args.clients))
     lines = table(results)
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
