@@ -9,8 +9,8 @@ HF accelerate, Lightning's built-in strategy; once under lightning_accel), compa
                     "ok": true, "detail": "max abs diff 0"}]}
 
 This runner starts each client with a time limit, two at a time (``--jobs``: most clients keep the 2 cores busy only
-part of the time; each runner's output is printed whole when it ends), prints every scenario in one table and fails
-when
+part of the time; each line a runner prints is printed with its client's name before it), prints every scenario in
+one table and fails when
 
 - a scenario is not ok and the client's ``differences.yaml`` gives no reason for it (keys are scenario ids, or
   patterns where ``*`` matches anything), or
@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -65,30 +68,41 @@ def available_clients() -> list[str]:
 def run_client(name: str, out: Path, timeout: int) -> ClientResult:
     """Start one client's runner with a time limit and read the result file it wrote.
 
-    The runner's output goes to ``<out>/<name>.log``, printed whole once it ends (two clients run at a time).
+    The runner writes its output to ``<out>/<name>.log``; each line is printed as it comes, with ``[name]`` before
+    it (two clients run at a time).
     """
     result_file, log = out / f"{name}.json", out / f"{name}.log"
     result_file.unlink(missing_ok=True)
     command = [sys.executable, str(HERE / name / "run_client.py"), "--out", str(result_file)]
     command += ["--work", str(out / name)]
-    print(f"\n==== client {name} started: {' '.join(command[1:])}", flush=True)
+    print(f"\n==== client {name}: {' '.join(command[1:])}", flush=True)
     start = time.monotonic()
-    broken = None
-    with log.open("w") as sink:
-        try:
-            completed = subprocess.run(
-                command, cwd=ROOT, timeout=timeout, check=False, stdout=sink, stderr=subprocess.STDOUT
-            )
-            if completed.returncode != 0 or not result_file.exists():
-                broken = f"runner exited with {completed.returncode}"
-        except subprocess.TimeoutExpired:
-            broken = f"stopped after {timeout} s"
+    with log.open("w") as sink, log.open() as source:
+        runner = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        while runner.poll() is None and time.monotonic() - start < timeout:
+            _echo(name, source)
+            time.sleep(1)
+        timed_out = runner.poll() is None
+        if timed_out:
+            os.killpg(runner.pid, signal.SIGKILL)  # the runner and the processes it started
+        returncode = runner.wait()
+        _echo(name, source)
     seconds = time.monotonic() - start
-    print(f"\n==== client {name}: {seconds:.0f} s\n{log.read_text()}", flush=True)
-    if broken:
-        return ClientResult(name, seconds=seconds, broken=broken)
+    print(f"==== client {name}: ended in {seconds:.0f} s (exit {returncode})", flush=True)
+    if timed_out:
+        return ClientResult(name, seconds=seconds, broken=f"stopped after {timeout} s")
+    if returncode != 0 or not result_file.exists():
+        return ClientResult(name, seconds=seconds, broken=f"runner exited with {returncode}")
     data = json.loads(result_file.read_text())
     return ClientResult(name, scenarios=list(data["scenarios"]), seconds=seconds)
+
+
+def _echo(name: str, source: TextIO) -> None:
+    """Print what a runner wrote since the last call, each line after ``[name]`` (where it does not start so)."""
+    tag = f"[{name}]"
+    for line in source:
+        shown = line if line.startswith(tag) else f"{tag} {line}"
+        print(shown, end="" if shown.endswith("\n") else "\n", flush=True)
 
 
 def table(results: list[ClientResult]) -> list[str]:
