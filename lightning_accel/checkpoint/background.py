@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_accel.lightning_compat import lightning_private
 from lightning_accel.state.shared_errors import raise_on_every_process
 
 if TYPE_CHECKING:
@@ -61,16 +62,13 @@ def background_group() -> ProcessGroup:
     return cached[1]
 
 
-def _timeout_of(group: ProcessGroup) -> timedelta | None:
-    """The timeout ``group``'s collectives wait for (``init_process_group(timeout=...)``); ``None``: torch's default.
+def _timeout_of(group: ProcessGroup) -> timedelta:
+    """The timeout ``group``'s collectives wait for (``init_process_group(timeout=...)``), as its backend holds it.
 
     A group made without one waits torch's default (30 minutes for gloo), however short the default group's is.
     """
-    for device in group._device_types:
-        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
-        if isinstance(timeout, timedelta):
-            return timeout
-    return None
+    backend = lightning_private(group, "_get_backend")(lightning_private(group, "_device_types")[0])  # type: ignore[operator,index]
+    return cast("timedelta", lightning_private(backend.options, "_timeout"))
 
 
 class HostBuffers:
